@@ -1,0 +1,230 @@
+"""TrainConfig: every knob of a run, typed, loadable from YAML, overridable on the command line.
+
+    python train/main.py --config train/configs/tiny.yaml --lr 3e-4 --max_steps 200
+
+Precedence: dataclass defaults < --config YAML < --key value flags. Every value is checked in
+`validate()` before any process group, port or output folder exists; a bad one raises ConfigError
+with one line naming the key, and the entry points turn that into `error: ...` and exit code 2.
+The stdlib + PyYAML (already required by accelerate) do this in a page; `--help` lists every key
+with the comment written next to it below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import os
+import re
+import sys
+from dataclasses import dataclass, fields
+
+import yaml
+
+BUILTIN_DATASETS = ("python_stdlib",)
+DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".parquet")
+TRACKERS = ("none", "wandb", "tensorboard")
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line that names the key."""
+
+
+@dataclass
+class TrainConfig:
+    # ---- run
+    output_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints/ and model.safetensors go here
+    seed: int = 1337  # model init, data order and dropout all derive from it
+    resume: str = ""  # "" = start fresh, "latest" = newest complete checkpoint in output_dir (or fresh), or a folder
+    # ---- tracking
+    tracker: str = "none"  # none | wandb | tensorboard, or several comma-separated ("wandb,tensorboard")
+    project: str = "accelerate-template"  # W&B / TensorBoard project name (WANDB_PROJECT wins if set)
+    run_name: str = ""  # "" = the last part of output_dir
+    wandb_entity: str = ""  # W&B team or user; "" = WANDB_ENTITY or your default entity
+    wandb_tags: str = ""  # comma-separated W&B tags
+    wandb_group: str = ""  # W&B group, e.g. one name for the runs of a sweep
+    # ---- data
+    dataset: str = "python_stdlib"  # "python_stdlib" (offline corpus), a local file/folder, or a hub name
+    dataset_config: str = ""  # hub dataset configuration name, if it has several
+    text_column: str = "text"  # the column holding the raw text
+    eval_fraction: float = 0.05  # share of documents held out when the dataset has no validation split
+    block_size: int = 128  # tokens (bytes) per training sample
+    num_workers: int = 0  # DataLoader worker processes per rank; 0 loads in the training process
+    # ---- model
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads; must divide n_embd
+    n_embd: int = 128  # width of the residual stream
+    dropout: float = 0.0  # 0.0 for pretraining, 0.1+ when fine-tuning small data
+    compile: bool = False  # torch.compile the model (GPU; needs a working compiler toolchain)
+    # ---- optimisation
+    max_steps: int = 300  # optimizer steps of the whole run
+    batch_size: int = 16  # samples per process and micro-step; global batch = batch_size * grad_accum_steps * processes
+    grad_accum_steps: int = 1  # micro-steps per optimizer step
+    lr: float = 2e-3  # peak learning rate, reached after warmup_steps, then cosine to min_lr at max_steps
+    min_lr: float = 2e-4  # final learning rate, ~lr/10 as in Chinchilla
+    warmup_steps: int = 30  # linear warmup from 0 to lr
+    weight_decay: float = 0.1  # AdamW decay on matmul/embedding weights only; biases and norms are not decayed
+    beta1: float = 0.9  # AdamW
+    beta2: float = 0.95  # AdamW; 0.95 is the usual choice for transformers
+    max_grad_norm: float = 1.0  # clip the global grad norm to this; 0 disables clipping
+    mixed_precision: str = "no"  # no | bf16 | fp16 (fp16 needs a GPU and uses a grad scaler)
+    # ---- cadence
+    log_every: int = 10  # steps between metrics.jsonl rows / tracker logs
+    eval_every: int = 100  # steps between evaluations on the whole eval set (also run at the last step)
+    save_every: int = 100  # steps between checkpoints (also saved at the last step); 0 = only at the end
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a newer one is committed
+    # ---- distributed
+    dist_timeout_s: int = 1800  # collective timeout; raise it if one node prepares data much longer than others
+
+    @property
+    def run_label(self) -> str:
+        return self.run_name or os.path.basename(os.path.normpath(self.output_dir))
+
+    def trackers(self) -> list[str]:
+        return [t for t in self.tracker.split(",") if t and t != "none"]
+
+    def validate(self) -> None:
+        """Raise ConfigError on the first bad value, naming its key."""
+        for key in ("max_steps", "batch_size", "grad_accum_steps", "block_size", "n_layer", "n_head",
+                    "n_embd", "log_every", "eval_every", "keep_last", "dist_timeout_s"):
+            _require(key, getattr(self, key) > 0, "must be > 0", getattr(self, key))
+        for key in ("warmup_steps", "weight_decay", "max_grad_norm", "save_every", "num_workers", "min_lr"):
+            _require(key, getattr(self, key) >= 0, "must be >= 0", getattr(self, key))
+        _require("lr", self.lr > 0, "must be > 0", self.lr)
+        _require("min_lr", self.min_lr <= self.lr, f"must be <= lr ({self.lr})", self.min_lr)
+        _require("warmup_steps", self.warmup_steps < self.max_steps,
+                 f"must be < max_steps ({self.max_steps})", self.warmup_steps)
+        _require("dropout", 0 <= self.dropout < 1, "must be in [0, 1)", self.dropout)
+        _require("eval_fraction", 0 < self.eval_fraction < 1, "must be in (0, 1)", self.eval_fraction)
+        for key in ("beta1", "beta2"):
+            _require(key, 0 <= getattr(self, key) < 1, "must be in [0, 1)", getattr(self, key))
+        _require("n_embd", self.n_embd % self.n_head == 0,
+                 f"must be divisible by n_head ({self.n_head})", self.n_embd)
+        _require("mixed_precision", self.mixed_precision in ("no", "bf16", "fp16"),
+                 "must be one of no, bf16, fp16", self.mixed_precision)
+        for name in self.tracker.split(","):
+            _require("tracker", name in TRACKERS, f"entries must be among {', '.join(TRACKERS)}", self.tracker)
+        _require("output_dir", self.output_dir.strip() != "", "must not be empty", self.output_dir)
+        _require("text_column", self.text_column != "", "must not be empty", self.text_column)
+        if self.resume not in ("", "latest"):
+            _require("resume", os.path.isdir(self.resume), "must be '', 'latest' or an existing folder",
+                     self.resume)
+        _check_dataset(self.dataset)
+
+
+def _require(key: str, ok: bool, problem: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {problem} (got {value!r})")
+
+
+def _check_dataset(dataset: str) -> None:
+    """A value that looks like a path must exist; anything else is taken as a hub name."""
+    if dataset in BUILTIN_DATASETS or os.path.exists(dataset):
+        return
+    looks_like_path = dataset.startswith(("/", "./", "../", "~")) or dataset.endswith(DATA_FILE_SUFFIXES)
+    _require("dataset", not looks_like_path, "is not an existing file or folder", dataset)
+    _require("dataset", dataset != "", "must not be empty", dataset)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(argv: list[str] | None = None) -> TrainConfig:
+    """Defaults < --config YAML < --key value flags. Raises ConfigError on any bad key or value."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(usage())  # noqa: T201 - --help is for the terminal
+        sys.exit(0)
+    config_file, overrides = _split_argv(argv)
+    values = _read_yaml(config_file) if config_file else {}
+    values.update(overrides)
+    cfg = TrainConfig()
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    for key, raw in values.items():
+        if key not in types:
+            close = difflib.get_close_matches(key, types, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown key '{key}'{hint}")
+        setattr(cfg, key, _coerce(key, raw, types[key]))
+    cfg.validate()
+    return cfg
+
+
+def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
+    config_file, overrides, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}' (flags look like --key value)")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{key} needs a value (--{key} VALUE)")
+            value, i = argv[i + 1], i + 1
+        if key == "config":
+            config_file = value
+        else:
+            overrides[key] = value
+        i += 1
+    return config_file, overrides
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config: cannot read '{path}': {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config: {where}: invalid YAML: {problem}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config: {path} must hold a mapping of key: value, not {type(values).__name__}")
+    return values
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _coerce(key: str, raw, type_name: str):
+    """Turn a YAML value or a CLI string into the field's type, or raise ConfigError naming the key."""
+    if type_name == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in _TRUE + _FALSE:
+            return str(raw).lower() in _TRUE
+    elif type_name == "int":
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and re.fullmatch(r"[+-]?\d+", raw.strip()):
+            return int(raw)
+    elif type_name == "float":
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            pass
+    elif type_name == "str":
+        if raw is None:
+            return ""
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            return str(raw)
+    raise ConfigError(f"{key} must be {'an' if type_name == 'int' else 'a'} {type_name} (got {raw!r})")
+
+
+def usage() -> str:
+    """--help text: each key with its type, default and the comment beside it in TrainConfig."""
+    comments = dict(re.findall(r"^\s+(\w+): \w+ = .*?#\s*(.*)$", inspect.getsource(TrainConfig), re.M))
+    lines = ["usage: main.py [--config FILE.yaml] [--key value ...]", ""]
+    for f in fields(TrainConfig):
+        lines.append(f"  --{f.name:<17} {f.type:<5} default {f.default!r:<24} {comments.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,160 @@
+"""Data: text in through Hugging Face `datasets`, packed into fixed-length byte blocks.
+
+FORK POINT 2: to train on your own data, replace the body of `build_datasets` (and `tokenize`).
+The loop needs two map-style datasets whose items `collate` turns into the model's keyword
+arguments (`input_ids`, `labels`). Sharding across processes is not done here: the plumbing
+(`accelerator.prepare` or DistributedSampler) does it, so nothing in this file looks at ranks.
+
+`dataset` (a config key) selects the text:
+    python_stdlib                 the .py files of this Python's standard library, read at run time
+                                  (about 4.7 MB on CPython 3.11): offline, on every machine
+    path/to/file.{txt,jsonl,json,csv,parquet} or a folder of such files
+    owner/name                    a hub dataset (needs network, or a copy in the local HF cache)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from config import DATA_FILE_SUFFIXES, ConfigError
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the repo's data/ folder
+_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+# >>> FORK POINT 2: build_datasets, tokenize
+def build_datasets(cfg):
+    """(train, eval) map-style datasets of packed `block_size`-byte blocks."""
+    splits = load_text(cfg)
+    train_text, eval_text = _train_eval_split(splits, cfg.eval_fraction)
+    pack = functools.partial(tokenize, block_size=cfg.block_size, text_column=cfg.text_column)
+    train, evaluation = (
+        text.map(pack, batched=True, remove_columns=text.column_names, desc=f"packing {name} bytes")
+        for name, text in (("train", train_text), ("eval", eval_text))
+    )
+    for name, ds in (("train", train), ("eval", evaluation)):
+        if len(ds) == 0:
+            raise ConfigError(f"dataset '{cfg.dataset}' gives no {name} block of block_size "
+                              f"{cfg.block_size} bytes: too little text")
+    return train.with_format("torch"), evaluation.with_format("torch")
+
+
+def tokenize(batch: dict, block_size: int, text_column: str) -> dict:
+    """Bytes of the documents, one newline between them, cut into blocks (the tail is dropped)."""
+    stream = b"".join(str(text).encode("utf-8") + b"\n" for text in batch[text_column] if text)
+    n_blocks = len(stream) // block_size
+    blocks = np.frombuffer(stream, dtype=np.uint8, count=n_blocks * block_size)
+    return {"input_ids": blocks.reshape(n_blocks, block_size)}  # uint8 on disk: 1 byte per token
+# <<< FORK POINT 2
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack samples into the model's inputs; a causal LM's labels are its inputs (it shifts them)."""
+    input_ids = torch.stack([s["input_ids"] for s in samples]).long()
+    return {"input_ids": input_ids, "labels": input_ids}
+
+
+def load_text(cfg):
+    """A DatasetDict with a 'train' split (and a validation split if the source has one)."""
+    import datasets  # heavy import kept out of config validation
+
+    source = cfg.dataset
+    if source == "python_stdlib":
+        source = str(write_python_stdlib_corpus())
+    if os.path.exists(source):
+        files = _data_files(source)
+        builder = _BUILDERS[Path(files[0]).suffix]
+        splits = datasets.load_dataset(builder, data_files={"train": files})
+    else:
+        try:
+            splits = datasets.load_dataset(source, cfg.dataset_config or None)
+        except Exception as e:  # offline, unknown name, no access: all the same to the user
+            offline = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if _offline() else ""
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"dataset '{source}' could not be loaded from the hub{offline}: "
+                              f"{first_line}") from None
+    if cfg.text_column not in splits["train"].column_names:
+        raise ConfigError(f"text_column '{cfg.text_column}' is not a column of '{cfg.dataset}' "
+                          f"(columns: {', '.join(splits['train'].column_names)})")
+    return splits
+
+
+def _data_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = sorted(str(p) for p in Path(path).rglob("*") if p.suffix in DATA_FILE_SUFFIXES)
+    suffixes = {_BUILDERS.get(Path(f).suffix) for f in files}
+    if not files or None in suffixes or len(suffixes) > 1:
+        raise ConfigError(f"dataset '{path}' must be one or more files of a single type among "
+                          f"{', '.join(DATA_FILE_SUFFIXES)}")
+    return files
+
+
+def _train_eval_split(splits, eval_fraction: float):
+    for name in ("validation", "test"):
+        if name in splits:
+            return splits["train"], splits[name]
+    # a fixed split seed: changing `seed` must not move documents between train and eval
+    held_out = splits["train"].train_test_split(test_size=eval_fraction, seed=0, shuffle=True)
+    return held_out["train"], held_out["test"]
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def write_python_stdlib_corpus(folder: Path = DATA_DIR / "python_stdlib") -> Path:
+    """Write this Python's top-level stdlib modules as JSON lines, once; return the file."""
+    target = folder / "stdlib.jsonl"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tmp = folder / f".stdlib.jsonl.{os.getpid()}.tmp"  # several local ranks may race here: rename is atomic
+    with open(tmp, "w") as out:
+        for path in sorted(stdlib.glob("*.py")):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            out.write(json.dumps({"text": text, "path": path.name}) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+# ---------------------------------------------------------------- data order (shared, not a fork point)
+
+
+class EpochSampler(Sampler[int]):
+    """A fresh permutation of the whole dataset each epoch, seeded by (seed + epoch).
+
+    It draws exactly the permutation `DistributedSampler(shuffle=True, seed=seed)` draws before
+    sharding, so the Accelerate path (which shards this sampler's batches across ranks) and the
+    torch path (DistributedSampler) put the same samples in every global batch. The sample order
+    is a pure function of (seed, epoch), which is what makes an exact mid-epoch resume possible:
+    `skip_next(n)` drops the first n samples of the next pass instead of iterating over them.
+    """
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed, self.epoch, self._skip = num_samples, seed, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip_next(self, num_samples: int) -> None:
+        self._skip = num_samples
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_samples, generator=generator)[self._skip:].tolist()
+        self._skip = 0
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.num_samples

@@ -1,0 +1,259 @@
+"""Train a model with Hugging Face Accelerate: one file, read top to bottom.
+
+    python train/main.py                                                  # 1 process (CPU or 1 GPU)
+    accelerate launch --config_file accelerate_configs/cpu.yaml train/main.py     # 2 CPU processes
+    accelerate launch --config_file accelerate_configs/8gpu.yaml train/main.py --config train/configs/gpt2_small.yaml
+    accelerate launch --config_file accelerate_configs/2node.yaml --machine_rank 0 ... train/main.py   # each node
+    ... train/main.py --resume latest                                     # continue where the last run stopped
+
+Flags are the keys of config.TrainConfig (`--help` lists them). The same loop runs without
+Accelerate in torch_ddp.py (torchrun), for comparison. To train your own model and data, edit the
+marked fork points in model.py and data.py; nothing here should need to change.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from datetime import timedelta
+
+import torch
+from torch.utils.data import DataLoader
+
+from checkpoint import (CheckpointError, Preemption, TrainState, export_model, latest_checkpoint,
+                        load_checkpoint, save_checkpoint)
+from config import ConfigError, TrainConfig, load_config
+from data import EpochSampler, build_datasets, collate
+from model import build_model, causal_lm_loss
+from tracking import MetricsLogger, Throughput, environment_info
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config_or_exit(argv)  # a bad value stops here: no process group, no folder, no data
+    accelerator = build_accelerator(cfg)
+    run_or_exit(train, cfg, accelerator)
+
+
+def build_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    accelerator = Accelerator(
+        # Measured: on a machine without a GPU, Accelerator() leaves every launched process believing it
+        # is rank 0 of 1 (N independent trainings writing one folder); cpu=True makes them a gloo group.
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=cfg.mixed_precision,
+        # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on the torch path
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum_steps,
+                                                                sync_with_dataloader=False),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
+    )
+    check_world_size(accelerator.num_processes)
+    return accelerator
+
+
+def train(cfg: TrainConfig, accelerator) -> int:
+    """THE training loop; returns the process exit code (0, or Preemption.EXIT_CODE).
+
+    `accelerator` is an accelerate.Accelerator, or torch_ddp.TorchDDP, which implements the members
+    used here with plain torch.distributed: device, is_main_process, is_local_main_process,
+    num_processes, process_index, prepare, accumulate, sync_gradients, backward, clip_grad_norm_,
+    reduce, gather_for_metrics, main_process_first, wait_for_everyone, unwrap_model, end_training.
+    """
+    # ---------------------------------------------------------------- setup
+    seed_everything(cfg.seed)  # the same model init on every rank
+    log = MetricsLogger(cfg, is_main=accelerator.is_main_process, is_local_main=accelerator.is_local_main_process)
+    # ---------------------------------------------------------------- data
+    with accelerator.main_process_first():  # rank 0 fills the datasets cache, the others reuse it
+        train_set, eval_set = build_datasets(cfg)
+    check_data_size(len(train_set), cfg, accelerator.num_processes)
+    sampler = EpochSampler(len(train_set), cfg.seed)  # data order is ours: a function of (seed, epoch)
+    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate,
+                              drop_last=True, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate, num_workers=cfg.num_workers)
+    # ---------------------------------------------------------------- model and optimizer
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg)
+    # prepare: DDP-wraps the model, shards each loader's batches across ranks, moves batches to the device
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if cfg.compile:
+        model = torch.compile(model)
+    seed_everything(cfg.seed + accelerator.process_index)  # dropout masks differ per rank, as they should
+    # ---------------------------------------------------------------- resume
+    state = resume_or_start(cfg, accelerator, model, optimizer, log)
+    global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
+    log.start(state.step, {**environment_info(), "processes": accelerator.num_processes,
+                           "global_batch_size": global_batch, "tokens_per_step": global_batch * cfg.block_size,
+                           "train_samples": len(train_set), "eval_samples": len(eval_set),
+                           "parameters": sum(p.numel() for p in accelerator.unwrap_model(model).parameters())})
+    batches = micro_batches(train_loader, sampler, cfg, accelerator.num_processes, state)
+    throughput = Throughput(global_batch, global_batch * cfg.block_size)
+    preemption = Preemption()  # SIGTERM / SIGUSR1: stop at the next step boundary, checkpoint, exit
+    # ---------------------------------------------------------------- loop
+    model.train()
+    while state.step < cfg.max_steps:
+        step_loss = torch.zeros((), device=accelerator.device)
+        for _ in range(cfg.grad_accum_steps):
+            with accelerator.accumulate(model):  # DDP's gradient all-reduce runs on the last micro-step only
+                loss = model(**next(batches)).loss
+                accelerator.backward(loss)  # divides by grad_accum_steps (and scales, for fp16)
+                step_loss += loss.detach() / cfg.grad_accum_steps
+                if accelerator.sync_gradients:  # the last micro-step: clip, set this step's LR, update
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+                    lr = set_lr(optimizer, lr_at(state.step, cfg))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.samples_seen += global_batch
+        state.tokens_seen += global_batch * cfg.block_size
+        throughput.step()
+        is_last = state.step == cfg.max_steps
+        if state.step % cfg.log_every == 0 or is_last:
+            mean_loss = accelerator.reduce(step_loss, "mean").item()  # over micro-steps, then over ranks
+            log.log(state.step, {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "epoch": state.epoch,
+                                 "tokens_seen": state.tokens_seen, **throughput.report()})
+        log.advance()
+        if state.step % cfg.eval_every == 0 or is_last:
+            eval_loss = evaluate(model, eval_loader, accelerator)
+            log.log(state.step, {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))})
+        stopping = preemption.requested(accelerator)  # collective: every rank stops at the same step
+        if (cfg.save_every and state.step % cfg.save_every == 0) or is_last or stopping:
+            path = save_checkpoint(accelerator, cfg, model, optimizer, state)
+            log.info(f"checkpoint: {path}")
+        if stopping:
+            log.info(f"stopping at step {state.step} on {preemption.signal_name}: resume with --resume latest")
+            log.close()
+            return Preemption.EXIT_CODE
+        if state.step % cfg.eval_every == 0 or (cfg.save_every and state.step % cfg.save_every == 0):
+            throughput.restart()  # eval and checkpoint time is not training throughput
+    # ---------------------------------------------------------------- save
+    path = export_model(accelerator, model, cfg.output_dir)
+    log.info(f"model: {path}")
+    log.close()
+    accelerator.end_training()
+    return 0
+
+
+# ---------------------------------------------------------------- helpers used by train()
+
+
+def micro_batches(loader, sampler: EpochSampler, cfg: TrainConfig, num_processes: int, state: TrainState):
+    """Endless micro-batches, starting at the exact batch after `state.step` (mid-epoch included).
+
+    The position is derived, not stored: every optimizer step consumes grad_accum_steps global
+    micro-batches of batch_size * num_processes samples, and each epoch's order is a function of
+    (seed, epoch), so skipping by index reproduces the uninterrupted run batch for batch.
+    """
+    samples_per_micro_batch = cfg.batch_size * num_processes
+    per_epoch = len(sampler) // samples_per_micro_batch  # whole global micro-batches (drop_last)
+    epoch, skip = divmod(state.step * cfg.grad_accum_steps, per_epoch)
+    while True:
+        state.epoch = epoch
+        loader.set_epoch(epoch)  # reaches the sampler (Accelerate) or the DistributedSampler (torch path)
+        sampler.skip_next(skip * samples_per_micro_batch)
+        yield from loader
+        epoch, skip = epoch + 1, 0
+
+
+@torch.no_grad()
+def evaluate(model, eval_loader, accelerator) -> float:
+    """Mean loss over exactly the eval set, computed on every rank (no rank-0-only collectives)."""
+    model.eval()
+    losses = []
+    for batch in eval_loader:
+        per_sample = causal_lm_loss(model(**batch).logits, batch["labels"])
+        # the sampler pads the last batches so every rank has as many; gather_for_metrics drops the copies
+        losses.append(accelerator.gather_for_metrics(per_sample))
+    model.train()
+    return torch.cat(losses).mean().item()
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices and embeddings decay, biases and norm weights (1-D tensors) do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    fused = torch.cuda.is_available()  # one kernel per step instead of one per tensor
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at max_steps. A pure function of the
+    step, so both plumbings and a resumed run agree (no scheduler object to step or to checkpoint)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def resume_or_start(cfg, accelerator, model, optimizer, log) -> TrainState:
+    existing = latest_checkpoint(cfg.output_dir)
+    if not cfg.resume:
+        if existing is not None:
+            raise ConfigError(f"output_dir '{cfg.output_dir}' already holds checkpoints; pass --resume latest "
+                              f"to continue that run, or choose another output_dir")
+        return TrainState()
+    folder = existing if cfg.resume == "latest" else cfg.resume
+    if folder is None:
+        log.info(f"resume: no checkpoint in {cfg.output_dir} yet, starting fresh")
+        return TrainState()
+    state = load_checkpoint(accelerator, cfg, folder, model, optimizer)
+    log.info(f"resume: {folder} (step {state.step})")
+    return state
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def check_world_size(num_processes: int) -> None:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != num_processes:
+        raise SystemExit(f"error: the launcher started {launched} processes but this one sees a world of "
+                         f"{num_processes}: they would train independently and overwrite each other's files")
+
+
+def check_data_size(num_samples: int, cfg: TrainConfig, num_processes: int) -> None:
+    needed = cfg.batch_size * cfg.grad_accum_steps * num_processes
+    if num_samples < needed:
+        raise ConfigError(f"dataset: {num_samples} training blocks is too few for one optimizer step at "
+                          f"world size {num_processes} x batch_size {cfg.batch_size} x grad_accum_steps "
+                          f"{cfg.grad_accum_steps} = {needed} blocks")
+
+
+def load_config_or_exit(argv) -> TrainConfig:
+    try:
+        return load_config(argv)
+    except ConfigError as e:
+        exit_with_error(e)
+
+
+def run_or_exit(train_fn, cfg, plumbing) -> None:
+    try:
+        code = train_fn(cfg, plumbing)
+    except (ConfigError, CheckpointError) as e:
+        exit_with_error(e)
+    sys.exit(code)
+
+
+def exit_with_error(error: Exception) -> None:
+    if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
+        print(f"error: {error}", file=sys.stderr)  # noqa: T201
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The model: a small GPT-style decoder over bytes, in plain torch (nanoGPT's, trimmed).
+
+FORK POINT 1: to train your own model, replace the body of `build_model`. The training loop only
+relies on the Hugging Face causal-LM contract: `model(input_ids=..., labels=...)` returns an object
+with `.loss` (mean next-token loss) and `.logits` (batch, time, vocab). A
+`transformers.AutoModelForCausalLM` fits it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB_SIZE = 256  # byte-level: every UTF-8 byte is a token, so there is no tokenizer to download
+
+
+# >>> FORK POINT 1: build_model
+def build_model(cfg) -> nn.Module:
+    """The model to train, sized by the config."""
+    return GPT(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
+               n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
+# <<< FORK POINT 1
+
+
+@dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.proj.residual_scaled = True
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # flash attention where the device has it; dropout only while training
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float):
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.proj = nn.Linear(4 * n_embd, n_embd)
+        self.proj.residual_scaled = True
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.mlp = MLP(n_embd, dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds
+        self.apply(self._init_weights)
+        # GPT-2: scale the init of layers that write into the residual stream by 1/sqrt(2 * n_layer)
+        for module in self.modules():
+            if getattr(module, "residual_scaled", False):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids, labels=None, **_unused) -> CausalLMOutput:
+        T = input_ids.size(1)
+        if T > self.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.block_size}")
+        pos = torch.arange(T, device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None if labels is None else causal_lm_loss(logits, labels).mean()
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean next-token loss, (batch,). Position t predicts labels[t + 1]; -100 is ignored."""
+    shifted_logits, targets = logits[:, :-1].float(), labels[:, 1:]
+    per_token = F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)), targets.reshape(-1),
+                                ignore_index=-100, reduction="none").view_as(targets)
+    counted = (targets != -100).sum(dim=1).clamp(min=1)
+    return per_token.sum(dim=1) / counted
