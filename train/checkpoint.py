@@ -183,8 +183,8 @@ def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer) -> TrainState
     _check_weights(folder / "model.safetensors", module)
     rng_file = folder / f"rng_rank{plumbing.process_index}.pt"
     rng = _load_tensors(rng_file, "cpu")
-    optimizer_state = _load_tensors(folder / "optimizer.pt", plumbing.device)
-    load_model(module, str(folder / "model.safetensors"), device=str(plumbing.device))
+    optimizer_state = _load_tensors(folder / "optimizer.pt", "cpu")  # load_state_dict moves it to the params
+    load_model(module, str(folder / "model.safetensors"))  # via CPU; copied into the params in place
     try:
         optimizer.load_state_dict(optimizer_state)
     except (ValueError, KeyError) as e:

@@ -69,9 +69,11 @@ def train(cfg: TrainConfig, accelerator) -> int:
         train_set, eval_set = build_datasets(cfg)
     check_data_size(len(train_set), cfg, accelerator.num_processes)
     sampler = EpochSampler(len(train_set), cfg.seed)  # data order is ours: a function of (seed, epoch)
-    train_loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate,
-                              drop_last=True, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
-    eval_loader = DataLoader(eval_set, batch_size=cfg.batch_size, collate_fn=collate, num_workers=cfg.num_workers)
+    # a loader draws its worker seeds from `generator`, not from the global RNG that dropout uses
+    loader_args = dict(batch_size=cfg.batch_size, collate_fn=collate, num_workers=cfg.num_workers,
+                       pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(cfg.seed))
+    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **loader_args)
+    eval_loader = DataLoader(eval_set, **loader_args)
     # ---------------------------------------------------------------- model and optimizer
     model = build_model(cfg)
     optimizer = build_optimizer(model, cfg)

@@ -1,0 +1,158 @@
+"""Shared test helpers: launch the real entry points through the real launchers, on CPU, offline.
+
+Every subprocess gets a timeout, a free port, OMP_NUM_THREADS=1 and offline W&B / HF settings, and
+a failure shows the tail of its output. Runs shrink the shipped tiny preset (train/configs/tiny.yaml)
+rather than inventing a config, and train on a small local text file so each launch takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN = REPO / "train" / "main.py"
+TORCH_DDP = REPO / "train" / "torch_ddp.py"
+FAULTY_MAIN = REPO / "tests" / "helpers" / "faulty_main.py"
+CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
+TINY = REPO / "train" / "configs" / "tiny.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(tmp_root: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK",
+                                                                   "WORLD_SIZE", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true",
+               WANDB_DIR=str(tmp_root), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               HF_HOME=str(SESSION_HF_HOME), TOKENIZERS_PARALLELISM="false")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+SESSION_HF_HOME = Path(os.environ.get("PYTEST_HF_HOME", "/tmp/accelerate-template-tests-hf"))
+# the same offline settings for code the tests run in-process (datasets reads them at import)
+os.environ.update(HF_HOME=str(SESSION_HF_HOME), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+
+
+def tiny_args(output_dir: Path, dataset: Path, **overrides) -> list[str]:
+    """The shipped tiny preset, shrunk to a few dozen steps on a small local corpus."""
+    values = dict(output_dir=output_dir, dataset=dataset, block_size=32, batch_size=4, max_steps=24,
+                  warmup_steps=4, log_every=1, eval_every=12, save_every=8, keep_last=2, dist_timeout_s=60)
+    values.update(overrides)
+    args = ["--config", str(TINY)]
+    for key, value in values.items():
+        args += [f"--{key}", str(value)]
+    return args
+
+
+class Run:
+    """A finished launch: exit code, output, and what it wrote."""
+
+    def __init__(self, proc: subprocess.CompletedProcess, output_dir: Path | None):
+        self.returncode, self.output, self.output_dir = proc.returncode, proc.stdout, output_dir
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.output.splitlines()[-n:])
+
+    def check(self, expected: int = 0) -> Run:
+        assert self.returncode == expected, f"exit code {self.returncode}, expected {expected}\n{self.tail()}"
+        return self
+
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.output_dir)
+
+    def losses(self) -> dict[int, float]:
+        return {row["step"]: row["loss"] for row in self.metrics() if "loss" in row}
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _output_dir_of(args: list[str]) -> Path | None:
+    return Path(args[args.index("--output_dir") + 1]) if "--output_dir" in args else None
+
+
+def run(cmd: list[str], env: dict, timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n" + "\n".join(out.splitlines()[-40:]))
+
+
+def accelerate_cmd(args: list[str], num_processes: int = 2, script: Path = MAIN, port: int | None = None,
+                   config: Path = CPU_CONFIG, launcher_args: list[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            "--num_processes", str(num_processes), "--main_process_port", str(port or free_port()),
+            *launcher_args, str(script), *map(str, args)]
+
+
+def launch_accelerate(args: list[str], tmp_root: Path, num_processes: int = 2, script: Path = MAIN,
+                      env_extra: dict | None = None, timeout: float = 240, **kw) -> Run:
+    cmd = accelerate_cmd(args, num_processes, script, **kw)
+    return Run(run(cmd, base_env(tmp_root, **(env_extra or {})), timeout), _output_dir_of(args))
+
+
+def launch_torchrun(args: list[str], tmp_root: Path, nproc: int = 2, script: Path = TORCH_DDP,
+                    env_extra: dict | None = None, timeout: float = 240, launcher_args: list[str] = ()) -> Run:
+    launcher = list(launcher_args) or ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", str(nproc),
+           str(script), *map(str, args)]
+    return Run(run(cmd, base_env(tmp_root, **(env_extra or {})), timeout), _output_dir_of(args))
+
+
+def run_python(args: list[str], tmp_root: Path, script: Path = MAIN, env_extra: dict | None = None,
+               timeout: float = 240) -> Run:
+    cmd = [sys.executable, str(script), *map(str, args)]
+    return Run(run(cmd, base_env(tmp_root, **(env_extra or {})), timeout), _output_dir_of(args))
+
+
+def write_corpus(path: Path, n_docs: int = 60, doc_bytes: int = 160) -> Path:
+    """Deterministic, learnable text: stdlib source lines, as JSON lines."""
+    import sysconfig
+
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(n_docs):
+            start = (i * 397) % max(1, len(source) - doc_bytes)
+            f.write(json.dumps({"text": source[start:start + doc_bytes], "id": i}) + "\n")
+    return path
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """~9.6 KB: 270 train blocks of 32 bytes at eval_fraction 0.05 (about 2 epochs in 24 steps)."""
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl")
+
+
+@pytest.fixture(scope="session")
+def baseline(tmp_path_factory, corpus) -> Run:
+    """The reference run most end-to-end tests compare against: 2 processes, 24 steps, dropout,
+    gradient accumulation, checkpoints every 8 steps. Run once per session."""
+    out = tmp_path_factory.mktemp("baseline") / "run"
+    return launch_accelerate(baseline_args(out, corpus), out.parent).check()
+
+
+def baseline_args(output_dir: Path, corpus: Path, **overrides) -> list[str]:
+    return tiny_args(output_dir, corpus, dropout=0.1, grad_accum_steps=2, **overrides)

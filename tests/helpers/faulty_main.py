@@ -1,0 +1,106 @@
+"""train/main.py with faults injected from outside the shipped code (used by the end-to-end tests).
+
+Environment variables, each optional, read once at start-up:
+    FAULT_STEP=k          act when step k completes (the k-th step boundary of this process)
+    FAULT_RANK=r          only on global rank r (default: every rank)
+    FAULT_ACTION=sigterm  send SIGTERM to this process (a preemption: checkpoint and exit)
+                 sigkill  SIGKILL this process (a crashed node)
+    FAULT_SAVE_AT=name    SIGKILL this process inside a checkpoint save, at the point `name`:
+                          after_model | after_shared | before_publish
+    FAULT_ONCE=path       only if this file does not exist yet (it is created): a relaunch runs clean
+    RECORD_SAMPLES=dir    each rank writes the train sample indices it drew to dir/rank{r}.json
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+TRAIN_DIR = Path(__file__).resolve().parents[2] / "train"
+sys.path.insert(0, str(TRAIN_DIR))
+
+import checkpoint  # noqa: E402
+import main  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def armed() -> bool:
+    if "FAULT_RANK" in os.environ and int(os.environ["FAULT_RANK"]) != RANK:
+        return False
+    once = os.environ.get("FAULT_ONCE")
+    if once:
+        if os.path.exists(f"{once}.rank{RANK}"):
+            return False
+        Path(f"{once}.rank{RANK}").touch()
+    return True
+
+
+def inject_step_fault(step: int, action: str) -> None:
+    original = checkpoint.Preemption.requested
+    boundaries = {"n": 0}
+
+    def requested(self, plumbing):
+        boundaries["n"] += 1
+        if boundaries["n"] == step and armed():
+            os.kill(os.getpid(), signal.SIGTERM if action == "sigterm" else signal.SIGKILL)
+        return original(self, plumbing)
+
+    checkpoint.Preemption.requested = requested
+
+
+def inject_save_fault(point: str) -> None:
+    def die_after(fn):
+        def wrapper(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            if armed():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        return wrapper
+
+    if point == "after_model":
+        checkpoint.save_model = die_after(checkpoint.save_model)
+    elif point == "after_shared":
+        checkpoint.write_shared_files = die_after(checkpoint.write_shared_files)
+    elif point == "before_publish":
+        original = checkpoint._publish
+
+        def publish(tmp, *args):
+            if armed():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(tmp, *args)
+        checkpoint._publish = publish
+
+
+def record_samples(folder: str) -> None:
+    import data
+
+    drawn = []
+    original_iter = data.EpochSampler.__iter__
+
+    def iterate(self):
+        for index in original_iter(self):
+            drawn.append(index)
+            yield index
+
+    data.EpochSampler.__iter__ = iterate
+    original_train = main.train
+
+    def train(cfg, plumbing):
+        code = original_train(cfg, plumbing)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"rank{RANK}.json").write_text(json.dumps(drawn))
+        return code
+
+    main.train = train
+
+
+if __name__ == "__main__":
+    if "FAULT_STEP" in os.environ:
+        inject_step_fault(int(os.environ["FAULT_STEP"]), os.environ.get("FAULT_ACTION", "sigterm"))
+    if "FAULT_SAVE_AT" in os.environ:
+        inject_save_fault(os.environ["FAULT_SAVE_AT"])
+    if "RECORD_SAMPLES" in os.environ:
+        record_samples(os.environ["RECORD_SAMPLES"])
+    main.main()

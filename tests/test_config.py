@@ -1,0 +1,89 @@
+"""Config: YAML + CLI precedence, and one clear line for every bad input."""
+
+import pytest
+from conftest import MAIN, REPO, TINY, run_python
+
+from config import ConfigError, TrainConfig, load_config
+
+
+def test_defaults_yaml_then_cli_precedence(tmp_path):
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("lr: 0.01\nbatch_size: 3\nmixed_precision: 'no'\n")
+    cfg = load_config(["--config", str(yaml_file), "--lr", "5e-4", "--compile=true"])
+    assert cfg.lr == 5e-4  # CLI beats YAML
+    assert cfg.batch_size == 3  # YAML beats the default
+    assert cfg.compile is True
+    assert cfg.max_steps == TrainConfig().max_steps  # untouched default
+
+
+def test_shipped_presets_load():
+    for preset in sorted((REPO / "train" / "configs").glob("*.yaml")):
+        assert isinstance(load_config(["--config", str(preset)]), TrainConfig), preset
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "-1"], "lr must be > 0 (got -1.0)"),
+    (["--batch_size", "0"], "batch_size must be > 0 (got 0)"),
+    (["--batch_size", "abc"], "batch_size must be an int (got 'abc')"),
+    (["--lrr", "0.1"], "unknown key 'lrr' (did you mean 'lr'?)"),
+    (["--mixed_precision", "fp8"], "mixed_precision must be one of no, bf16, fp16 (got 'fp8')"),
+    (["--dataset", "/nonexistent/corpus.jsonl"], "dataset is not an existing file or folder"),
+    (["--dataset", "missing.csv"], "dataset is not an existing file or folder"),
+    (["--warmup_steps", "500", "--max_steps", "100"], "warmup_steps must be < max_steps (100)"),
+    (["--n_embd", "100", "--n_head", "3"], "n_embd must be divisible by n_head (3)"),
+    (["--tracker", "mlflow"], "tracker entries must be among none, wandb, tensorboard"),
+    (["--resume", "/no/such/checkpoint"], "resume must be '', 'latest' or an existing folder"),
+    (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+    (["--compile", "maybe"], "compile must be a bool (got 'maybe')"),
+    (["--lr"], "lr needs a value"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_bad_values_name_the_key(argv, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(argv)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("lr: 0.1\nbatch_size: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml:\d+: invalid YAML"):
+        load_config(["--config", str(broken)])
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- lr\n- 0.1\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(["--config", str(listing)])
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(["--config", str(tmp_path / "absent.yaml")])
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("max_step: 10\n")
+    with pytest.raises(ConfigError, match="unknown key 'max_step' \\(did you mean 'max_steps'\\?\\)"):
+        load_config(["--config", str(typo)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "-1"], "error: lr must be > 0 (got -1.0)"),
+    (["--config", "{broken}"], "error: config: "),
+])
+def test_entry_point_prints_one_line_exits_2_and_writes_nothing(tmp_path, argv, message):
+    out = tmp_path / "existing_run"
+    out.mkdir()
+    (out / "keep.txt").write_text("previous run")
+    if argv[0] == "--config":
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("lr: [\n")
+        argv = ["--config", str(bad)]
+    result = run_python([*argv, "--output_dir", out], tmp_path, timeout=60)
+    assert result.returncode == 2, result.tail()
+    assert result.output.strip().splitlines() == [l for l in result.output.strip().splitlines() if l.startswith("error: ")]
+    assert len(result.output.strip().splitlines()) == 1 and result.output.startswith(message), result.output
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_help_lists_every_key_with_its_comment(tmp_path):
+    result = run_python(["--help"], tmp_path, timeout=60).check()
+    for key in ("--grad_accum_steps", "--mixed_precision", "--keep_last"):
+        assert key in result.output
+    assert "micro-steps per optimizer step" in result.output
+    assert str(MAIN) and TINY.exists()

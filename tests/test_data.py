@@ -1,0 +1,146 @@
+"""Data: local formats through `datasets`, cached packing, and the data order both plumbings share."""
+
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+from conftest import REPO, run_python, write_corpus
+from torch.utils.data import DistributedSampler
+
+import data
+from config import ConfigError, TrainConfig
+
+
+def cfg_for(dataset, **kw):
+    return TrainConfig(dataset=str(dataset), block_size=16, **kw)
+
+
+def texts(n=40):
+    return [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 3 for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "csv", "parquet", "folder"])
+def test_local_formats_give_packed_blocks(tmp_path, kind):
+    docs = texts()
+    if kind == "txt":
+        path = tmp_path / "corpus.txt"
+        path.write_text("\n".join(docs))
+    elif kind == "jsonl":
+        path = tmp_path / "corpus.jsonl"
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    elif kind == "csv":
+        path = tmp_path / "corpus.csv"
+        pd.DataFrame({"text": docs}).to_csv(path, index=False)
+    elif kind == "parquet":
+        path = tmp_path / "corpus.parquet"
+        pd.DataFrame({"text": docs}).to_parquet(path)
+    else:
+        path = tmp_path / "shards"
+        path.mkdir()
+        for i in range(2):
+            (path / f"part{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[i::2]))
+    train, evaluation = data.build_datasets(cfg_for(path, eval_fraction=0.1))
+    total_bytes = sum(len(d.encode()) + 1 for d in docs)
+    assert len(train) + len(evaluation) <= total_bytes // 16
+    assert len(train) > 5 * len(evaluation) > 0
+    batch = data.collate([train[0], train[1]])
+    assert batch["input_ids"].shape == (2, 16) and batch["input_ids"].dtype == torch.long
+    assert torch.equal(batch["labels"], batch["input_ids"])
+    decoded = bytes(train[0]["input_ids"].tolist()).decode()
+    assert "document" in decoded or "fox" in decoded or "lazy" in decoded
+
+
+def test_packing_is_cached_between_runs(tmp_path):
+    path = write_corpus(tmp_path / "c.jsonl")
+    first, _ = data.build_datasets(cfg_for(path))
+    files = [f["filename"] for f in first.cache_files]
+    stamps = [os.stat(f).st_mtime_ns for f in files]
+    second, _ = data.build_datasets(cfg_for(path))
+    assert [f["filename"] for f in second.cache_files] == files  # same map cache, not a new one
+    assert [os.stat(f).st_mtime_ns for f in files] == stamps  # and not rewritten
+    assert torch.equal(first[5]["input_ids"], second[5]["input_ids"])
+
+
+def test_eval_split_does_not_move_with_the_seed(tmp_path):
+    path = write_corpus(tmp_path / "c.jsonl")
+    _, eval_a = data.build_datasets(cfg_for(path, seed=1))
+    _, eval_b = data.build_datasets(cfg_for(path, seed=2))
+    assert torch.equal(eval_a[:]["input_ids"], eval_b[:]["input_ids"])
+
+
+def test_bad_datasets_are_one_line_errors(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"body": "x" * 400}) + "\n")
+    with pytest.raises(ConfigError, match="text_column 'text' is not a column .* \\(columns: body\\)"):
+        data.build_datasets(cfg_for(path))
+    odd = tmp_path / "mixed"
+    odd.mkdir()
+    (odd / "a.txt").write_text("hello")
+    (odd / "b.csv").write_text("text\nhello\n")
+    with pytest.raises(ConfigError, match="single type"):
+        data.build_datasets(cfg_for(odd))
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text("".join(json.dumps({"text": "ab"}) + "\n" for _ in range(30)))
+    with pytest.raises(ConfigError, match="no eval block of block_size 16|no train block"):
+        data.build_datasets(cfg_for(tiny))
+
+
+def test_python_stdlib_corpus_is_written_once(tmp_path):
+    target = data.write_python_stdlib_corpus(tmp_path)
+    rows = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(rows) > 50 and {"text", "path"} <= set(rows[0])
+    assert any(r["path"] == "os.py" for r in rows)
+    stamp = target.stat().st_mtime_ns
+    assert data.write_python_stdlib_corpus(tmp_path) == target and target.stat().st_mtime_ns == stamp
+
+
+def test_hub_name_offline_is_a_fast_clear_error(tmp_path):
+    result = run_python(["--dataset", "someone/no-such-dataset", "--output_dir", tmp_path / "out"], tmp_path,
+                        timeout=120)
+    assert result.returncode == 2, result.tail()
+    assert "error: dataset 'someone/no-such-dataset' could not be loaded from the hub (HF_HUB_OFFLINE" \
+        in result.output, result.tail()
+    assert not (tmp_path / "out").exists()
+    assert REPO.exists()
+
+
+# ---------------------------------------------------------------- data order
+
+
+def test_epoch_sampler_is_a_seeded_permutation_per_epoch():
+    sampler = data.EpochSampler(50, seed=7)
+    epoch0 = list(sampler)
+    assert sorted(epoch0) == list(range(50)) and list(sampler) == epoch0
+    sampler.set_epoch(1)
+    assert list(sampler) != epoch0 and sorted(sampler) == list(range(50))
+
+
+def test_skip_next_drops_the_consumed_part_of_one_pass_only():
+    sampler = data.EpochSampler(50, seed=7)
+    sampler.set_epoch(3)
+    full = list(sampler)
+    sampler.skip_next(20)
+    assert list(sampler) == full[20:]
+    assert list(sampler) == full  # the skip applies once
+
+
+@pytest.mark.parametrize("world, batch", [(2, 4), (3, 2)])
+def test_global_batches_match_distributed_sampler(world, batch):
+    """Accelerate gives rank r the r-th batch of each group of `world` consecutive batches; torch's
+    DistributedSampler strides indices. Both must put the same samples into each global batch."""
+    n, seed, epoch = 103, 11, 2
+    sampler = data.EpochSampler(n, seed)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    global_batch = world * batch
+    accelerate_style = [set(order[i:i + global_batch]) for i in range(0, n - global_batch + 1, global_batch)]
+    per_rank = []
+    for rank in range(world):
+        ds = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        ds.set_epoch(epoch)
+        indices = list(ds)
+        per_rank.append([indices[i:i + batch] for i in range(0, len(indices) - batch + 1, batch)])
+    torch_style = [set().union(*(per_rank[r][k] for r in range(world))) for k in range(len(per_rank[0]))]
+    assert torch_style == accelerate_style

@@ -1,0 +1,54 @@
+"""The default model: shapes, loss at init, and that it can learn."""
+
+import math
+
+import torch
+
+from config import TrainConfig
+from model import VOCAB_SIZE, build_model, causal_lm_loss
+
+
+def tiny_cfg(**kw):
+    return TrainConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, **kw})
+
+
+def test_shapes_and_loss_at_init_is_uniform():
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg())
+    ids = torch.randint(0, VOCAB_SIZE, (4, 16))
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (4, 16, VOCAB_SIZE)
+    assert abs(out.loss.item() - math.log(VOCAB_SIZE)) < 0.3
+
+
+def test_per_sample_loss_matches_mean_and_ignores_minus_100():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 7)
+    labels = torch.randint(0, 7, (3, 5))
+    per_sample = causal_lm_loss(logits, labels)
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1))
+    assert torch.allclose(per_sample.mean(), reference)
+    masked = labels.clone()
+    masked[0, 3:] = -100
+    expected = torch.nn.functional.cross_entropy(logits[0, :2], labels[0, 1:3])
+    assert torch.allclose(causal_lm_loss(logits, masked)[0], expected)
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    model = build_model(tiny_cfg())
+    ids = torch.randint(0, VOCAB_SIZE, (2, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        loss = model(input_ids=ids, labels=ids).loss
+        first = first if first is not None else loss.item()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.2 * first
+
+
+def test_weights_are_tied():
+    model = build_model(tiny_cfg())
+    assert model.lm_head.weight is model.wte.weight
