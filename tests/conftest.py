@@ -64,7 +64,10 @@ class Run:
         self.returncode, self.output, self.output_dir = proc.returncode, proc.stdout, output_dir
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.output.splitlines()[-n:])
+        """The last lines, after any `error:` line (the launcher's traceback would hide it)."""
+        lines = self.output.splitlines()
+        errors = [line for line in lines if line.startswith("error:")]
+        return "\n".join(errors + ["..."] + lines[-n:])
 
     def check(self, expected: int = 0) -> Run:
         assert self.returncode == expected, f"exit code {self.returncode}, expected {expected}\n{self.tail()}"

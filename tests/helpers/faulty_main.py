@@ -74,18 +74,27 @@ def inject_save_fault(point: str) -> None:
 
 
 def record_samples(folder: str) -> None:
-    import data
+    """Wrap the train dataset so each rank records the indices it actually loaded and trained on."""
+    import torch
 
     drawn = []
-    original_iter = data.EpochSampler.__iter__
 
-    def iterate(self):
-        for index in original_iter(self):
-            drawn.append(index)
-            yield index
+    class Recording(torch.utils.data.Dataset):
+        def __init__(self, dataset):
+            self.dataset = dataset
 
-    data.EpochSampler.__iter__ = iterate
-    original_train = main.train
+        def __len__(self):
+            return len(self.dataset)
+
+        def __getitem__(self, index):
+            drawn.append(int(index))
+            return self.dataset[index]
+
+    original_build, original_train = main.build_datasets, main.train
+
+    def build_datasets(cfg):
+        train_set, eval_set = original_build(cfg)
+        return Recording(train_set), eval_set
 
     def train(cfg, plumbing):
         code = original_train(cfg, plumbing)
@@ -93,7 +102,7 @@ def record_samples(folder: str) -> None:
         (Path(folder) / f"rank{RANK}.json").write_text(json.dumps(drawn))
         return code
 
-    main.train = train
+    main.build_datasets, main.train = build_datasets, train
 
 
 if __name__ == "__main__":

@@ -1,0 +1,180 @@
+"""The Accelerate path end to end: real `accelerate launch` runs on CPU, read back and compared."""
+
+import json
+import math
+import shutil
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_model
+from conftest import (FAULTY_MAIN, REPO, launch_accelerate, read_metrics, run_python, tiny_args,
+                      write_corpus)
+
+import data
+from config import load_config
+from main import evaluate
+from model import build_model
+
+pytestmark = pytest.mark.slow
+
+
+class SingleProcess:
+    """The members of Accelerator that evaluate() uses, for one process."""
+
+    device = torch.device("cpu")
+
+    @staticmethod
+    def gather_for_metrics(tensor):
+        return tensor
+
+
+def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
+    out = baseline.output_dir
+    metrics = read_metrics(out)
+    train_rows = [r for r in metrics if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 25))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "epoch"):
+        assert key in train_rows[-1]
+    first, last = train_rows[:3], train_rows[-3:]
+    assert sum(r["loss"] for r in last) < 0.8 * sum(r["loss"] for r in first), [r["loss"] for r in train_rows]
+    assert train_rows[-1]["epoch"] >= 1  # the run crossed an epoch boundary
+    eval_rows = [r for r in metrics if "eval_loss" in r]
+    assert [r["step"] for r in eval_rows] == [12, 24]
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["processes"] == 2 and info["global_batch_size"] == 16
+    saved_cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved_cfg["grad_accum_steps"] == 2 and saved_cfg["output_dir"] == str(out)
+    assert load_config(["--config", str(out / "config.yaml")]).dropout == 0.1  # config.yaml reloads as-is
+
+    # the exported model loads into a fresh model and gives the logged eval loss over the eval set,
+    # which has an odd number of samples: counting a padded duplicate would move the mean
+    cfg = load_config(["--config", str(out / "config.yaml")])
+    _, eval_set = data.build_datasets(cfg)
+    assert len(eval_set) % (cfg.batch_size * 2) != 0, "the eval set must not divide evenly into 2 ranks' batches"
+    model = build_model(cfg)
+    load_model(model, str(out / "model.safetensors"))  # strict: every tensor (tied ones are stored once)
+    loader = torch.utils.data.DataLoader(eval_set, batch_size=5, collate_fn=data.collate)
+    eval_loss = evaluate(model, loader, SingleProcess())
+    assert eval_loss == pytest.approx(eval_rows[-1]["eval_loss"], rel=1e-5)
+
+
+def test_each_rank_trains_on_its_own_shard(tmp_path, corpus):
+    cfg = load_config(tiny_args(tmp_path / "probe", corpus))
+    train_len = len(data.build_datasets(cfg)[0])
+    steps_per_epoch = train_len // (cfg.batch_size * 2)
+    args = tiny_args(tmp_path / "run", corpus, max_steps=steps_per_epoch, eval_every=1000, save_every=0)
+    launch_accelerate(args, tmp_path, script=FAULTY_MAIN, env_extra={"RECORD_SAMPLES": tmp_path / "ids"}).check()
+    rank0, rank1 = (json.loads((tmp_path / "ids" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(rank0) == len(rank1) == steps_per_epoch * cfg.batch_size
+    assert not set(rank0) & set(rank1), "ranks trained on the same sample"
+    sampler = data.EpochSampler(train_len, cfg.seed)
+    epoch0 = list(sampler)
+    used = steps_per_epoch * cfg.batch_size * 2
+    assert sorted(rank0 + rank1) == sorted(epoch0[:used])  # together: the whole epoch, minus the drop_last tail
+    assert train_len - used < cfg.batch_size * 2
+
+
+def test_one_and_two_processes_agree_at_the_same_global_batch(tmp_path, corpus):
+    common = dict(max_steps=8, eval_every=1000, save_every=0)
+    one = launch_accelerate(tiny_args(tmp_path / "one", corpus, batch_size=8, **common), tmp_path,
+                            num_processes=1).check()
+    two = launch_accelerate(tiny_args(tmp_path / "two", corpus, batch_size=4, **common), tmp_path,
+                            num_processes=2).check()
+    a, b = one.losses(), two.losses()
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), (step, a[step], b[step])
+
+
+def test_default_corpus_under_the_launcher(tmp_path):
+    """The offline default (python_stdlib) through the real launcher and the shipped tiny preset."""
+    run = launch_accelerate(["--config", REPO / "train/configs/tiny.yaml", "--output_dir", tmp_path / "run",
+                             "--max_steps", 6, "--warmup_steps", 2, "--eval_every", 6, "--save_every", 0, "--log_every", 2],
+                            tmp_path).check()
+    assert [r["step"] for r in run.metrics() if "loss" in r] == [2, 4, 6]
+    assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_bad_value_through_the_launcher(tmp_path, corpus):
+    out = tmp_path / "run"
+    out.mkdir()
+    run = launch_accelerate([*tiny_args(out, corpus), "--lr", "-1"], tmp_path)
+    assert run.returncode != 0
+    assert run.output.count("error: lr must be > 0 (got -1.0)") == 1, run.tail()
+    assert list(out.iterdir()) == []
+
+
+def test_dataset_too_small_for_one_step(tmp_path):
+    small = write_corpus(tmp_path / "small.jsonl", n_docs=20, doc_bytes=40)
+    out = tmp_path / "run"
+    run = launch_accelerate(tiny_args(out, small, batch_size=16, grad_accum_steps=2), tmp_path)
+    assert run.returncode != 0
+    assert "training blocks is too few for one optimizer step at world size 2 x batch_size 16 x " \
+           "grad_accum_steps 2 = 64 blocks" in run.output, run.tail()
+    assert not out.exists()
+
+
+FORK_MODEL = '''
+def build_model(cfg) -> nn.Module:
+    """A fork's own model: a bigram table (an MLP over the previous byte), HF-style outputs."""
+    return BigramLM(VOCAB_SIZE, cfg.n_embd)
+
+
+class BigramLM(nn.Module):
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(vocab, width), nn.Linear(width, vocab))
+
+    def forward(self, input_ids, labels=None, **_):
+        logits = self.net(input_ids)
+        loss = None if labels is None else causal_lm_loss(logits, labels).mean()
+        return CausalLMOutput(loss=loss, logits=logits)
+'''
+
+FORK_DATA = '''
+def build_datasets(cfg):
+    """A fork's own data: a CSV with a 'body' column, cut into blocks of block_size bytes."""
+    import datasets
+
+    text = datasets.load_dataset("csv", data_files=cfg.dataset)["train"]
+    split = text.train_test_split(test_size=0.1, seed=0)
+    pack = functools.partial(tokenize, block_size=cfg.block_size, text_column="body")
+    return tuple(split[name].map(pack, batched=True, remove_columns=["body"]).with_format("torch")
+                 for name in ("train", "test"))
+
+
+def tokenize(batch, block_size, text_column):
+    stream = "".join(batch[text_column]).encode()
+    n = len(stream) // block_size
+    return {"input_ids": np.frombuffer(stream, dtype=np.uint8, count=n * block_size).reshape(n, block_size)}
+'''
+
+
+def replace_fork_point(path, number, new_code):
+    text = path.read_text()
+    start = text.index(f"# >>> FORK POINT {number}")
+    end = text.index(f"# <<< FORK POINT {number}")
+    start = text.index("\n", start) + 1
+    path.write_text(text[:start] + new_code.lstrip("\n") + text[end:])
+
+
+def test_fork_swaps_model_and_data_in_the_two_marked_places(tmp_path):
+    fork = tmp_path / "fork"
+    shutil.copytree(REPO / "train", fork / "train", ignore=shutil.ignore_patterns("__pycache__"))
+    replace_fork_point(fork / "train" / "model.py", 1, FORK_MODEL)
+    replace_fork_point(fork / "train" / "data.py", 2, FORK_DATA)
+    rows = ["body"] + [f"row {i}: " + "abcabc" * 6 + "." for i in range(200)]
+    (tmp_path / "own.csv").write_text("\n".join(rows) + "\n")
+    run = run_python(["--output_dir", tmp_path / "run", "--dataset", tmp_path / "own.csv", "--block_size", 16,
+                      "--batch_size", 8, "--max_steps", 30, "--warmup_steps", 2, "--lr", 1e-2, "--log_every", 5,
+                      "--eval_every", 30, "--save_every", 0, "--n_embd", 32],
+                     tmp_path, script=fork / "train" / "main.py").check()
+    losses = run.losses()
+    assert losses[30] < 0.5 * losses[5], losses
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == {"net.0.weight", "net.1.weight", "net.1.bias"}  # the fork's model was trained
+    assert math.isfinite([r for r in run.metrics() if "eval_loss" in r][-1]["eval_loss"])
+    assert sys.executable
