@@ -150,11 +150,14 @@ class EpochSampler(Sampler[int]):
     def skip_next(self, num_samples: int) -> None:
         self._skip = num_samples
 
+    def pop_skip(self) -> int:
+        """The pending skip, now consumed (the torch path hands it on to its DistributedSampler)."""
+        skip, self._skip = self._skip, 0
+        return skip
+
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.num_samples, generator=generator)[self._skip:].tolist()
-        self._skip = 0
-        return iter(order)
+        return iter(torch.randperm(self.num_samples, generator=generator)[self.pop_skip():].tolist())
 
     def __len__(self) -> int:
         return self.num_samples
