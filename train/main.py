@@ -124,7 +124,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
             path = save_checkpoint(accelerator, cfg, model, optimizer, state)
             log.info(f"checkpoint: {path}")
         if stopping:
-            log.info(f"stopping at step {state.step} on {preemption.signal_name}: resume with --resume latest")
+            log.preempted(state.step, preemption.signal_name or "a signal on another rank", str(path))
             log.close()
             return Preemption.EXIT_CODE
         if state.step % cfg.eval_every == 0 or (cfg.save_every and state.step % cfg.save_every == 0):

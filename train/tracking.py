@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from config import TrainConfig, to_dict
 
+PREEMPTED_MARKER = "preempted.json"
+
 
 class MetricsLogger:
     def __init__(self, cfg: TrainConfig, is_main: bool, is_local_main: bool):
@@ -36,6 +38,7 @@ class MetricsLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         (self.output_dir / "run_info.json").write_text(json.dumps(run_info, indent=2) + "\n")
+        (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run is the requeued one
         path = self.output_dir / "metrics.jsonl"
         kept = [line for line in _read_lines(path) if json.loads(line).get("step", 0) <= step]
         path.write_text("".join(kept))
@@ -51,6 +54,14 @@ class MetricsLogger:
         self.metrics_file.write(json.dumps(row) + "\n")
         self.info(" | ".join([f"step {step}/{self.cfg.max_steps}"] + [_fmt(k, v) for k, v in row.items()
                                                                       if k != "step"]))
+
+    def preempted(self, step: int, signal_name: str, checkpoint: str) -> None:
+        """Leave <output_dir>/preempted.json: launchers report any worker's exit as 1, so a requeue
+        script tells "stopped on a signal, with a checkpoint" apart from a failure by this file."""
+        if self.enabled:
+            record = {"step": step, "signal": signal_name, "checkpoint": checkpoint}
+            (self.output_dir / PREEMPTED_MARKER).write_text(json.dumps(record) + "\n")
+        self.info(f"stopping at step {step} on {signal_name}: resume with --resume latest")
 
     def advance(self, loss: float | None = None) -> None:
         if self.bar is not None:

@@ -7,6 +7,7 @@ Environment variables, each optional, read once at start-up:
                  sigkill  SIGKILL this process (a crashed node)
     FAULT_SAVE_AT=name    SIGKILL this process inside a checkpoint save, at the point `name`:
                           after_model | after_shared | before_publish
+    FAULT_SAVE_NUMBER=n   ... inside the n-th save of this process (default 1)
     FAULT_ONCE=path       only if this file does not exist yet (it is created): a relaunch runs clean
     RECORD_SAMPLES=dir    each rank writes the train sample indices it drew to dir/rank{r}.json
 """
@@ -50,11 +51,23 @@ def inject_step_fault(step: int, action: str) -> None:
     checkpoint.Preemption.requested = requested
 
 
-def inject_save_fault(point: str) -> None:
+def inject_save_fault(point: str, save_number: int) -> None:
+    saves = {"n": 0}
+    original_save = checkpoint.save_checkpoint
+
+    def counting_save(*args, **kwargs):
+        saves["n"] += 1
+        return original_save(*args, **kwargs)
+
+    main.save_checkpoint = counting_save
+
+    def due() -> bool:
+        return saves["n"] == save_number and armed()
+
     def die_after(fn):
         def wrapper(*args, **kwargs):
             result = fn(*args, **kwargs)
-            if armed():
+            if due():
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
         return wrapper
@@ -67,7 +80,7 @@ def inject_save_fault(point: str) -> None:
         original = checkpoint._publish
 
         def publish(tmp, *args):
-            if armed():
+            if due():
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(tmp, *args)
         checkpoint._publish = publish
@@ -109,7 +122,7 @@ if __name__ == "__main__":
     if "FAULT_STEP" in os.environ:
         inject_step_fault(int(os.environ["FAULT_STEP"]), os.environ.get("FAULT_ACTION", "sigterm"))
     if "FAULT_SAVE_AT" in os.environ:
-        inject_save_fault(os.environ["FAULT_SAVE_AT"])
+        inject_save_fault(os.environ["FAULT_SAVE_AT"], int(os.environ.get("FAULT_SAVE_NUMBER", "1")))
     if "RECORD_SAMPLES" in os.environ:
         record_samples(os.environ["RECORD_SAMPLES"])
     main.main()

@@ -1,0 +1,138 @@
+"""Checkpoints and exact resume under real failures, against the uninterrupted baseline run.
+
+Every scenario interrupts a 2-process `accelerate launch` run with the baseline's config, relaunches
+it with `--resume latest`, and requires the final weights to be bitwise equal to the baseline's and
+every logged loss to match. Faults come from tests/helpers/faulty_main.py, never from shipped code.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import (FAULTY_MAIN, accelerate_cmd, base_env, baseline_args, launch_accelerate, load_weights,
+                      read_metrics)
+
+pytestmark = pytest.mark.slow
+
+
+def assert_matches_baseline(run_dir, baseline):
+    reference, resumed = load_weights(baseline.output_dir / "model.safetensors"), load_weights(
+        run_dir / "model.safetensors")
+    assert reference.keys() == resumed.keys()
+    different = [k for k in reference if not torch.equal(reference[k], resumed[k])]
+    assert not different, f"weights differ from the uninterrupted run: {different[:3]}"
+    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+    assert losses == baseline.losses()  # every step 1..24, interrupted part and replayed part alike
+
+
+def resume(run_dir, corpus, tmp_path):
+    return launch_accelerate([*baseline_args(run_dir, corpus), "--resume", "latest"], tmp_path).check()
+
+
+def test_keep_last_and_layout_of_the_baseline(baseline):
+    root = baseline.output_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000016", "step_00000024"]  # keep_last 2 of 8/16/24
+    files = json.loads((root / "step_00000024" / "manifest.json").read_text())["files"]
+    assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "train_state.json"} == set(files)
+    state = json.loads((root / "step_00000024" / "train_state.json").read_text())
+    assert (state["step"], state["world_size"], state["samples_seen"]) == (24, 2, 24 * 16)
+
+
+def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resumes_exactly(tmp_path, corpus, baseline):
+    run_dir = tmp_path / "run"
+    stopped = launch_accelerate(baseline_args(run_dir, corpus), tmp_path, script=FAULTY_MAIN,
+                                env_extra={"FAULT_STEP": 13, "FAULT_RANK": 1, "FAULT_ACTION": "sigterm",
+                                           "FAULT_ONCE": tmp_path / "once"})
+    assert stopped.returncode != 0  # the launcher reports the workers' exit code 75 as a failure
+    assert "exitcode  : 75" in stopped.output, stopped.tail()
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    assert marker["step"] == 13 and marker["checkpoint"].endswith("step_00000013")
+    assert (run_dir / "checkpoints" / "step_00000013" / "manifest.json").exists()  # mid-epoch: epoch 1, step 13
+    assert max(r["step"] for r in read_metrics(run_dir)) == 13
+    resumed = resume(run_dir, corpus, tmp_path)
+    assert "resume: " in resumed.output and "(step 13)" in resumed.output
+    assert not (run_dir / "preempted.json").exists()
+    assert_matches_baseline(run_dir, baseline)
+
+
+def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(tmp_path, corpus, baseline):
+    run_dir = tmp_path / "run"
+    cmd = accelerate_cmd(baseline_args(run_dir, corpus))
+    launcher = subprocess.Popen(cmd, env=base_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        while time.time() < deadline and len(read_metrics(run_dir)) < 3:
+            time.sleep(0.05)
+        os.kill(launcher.pid, signal.SIGTERM)  # what SLURM or Kubernetes does to the job
+        signalled = time.time()
+        output, _ = launcher.communicate(timeout=60)
+        took = time.time() - signalled
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert took < 25, f"took {took:.1f}s to stop"  # inside torchrun's 30 s before it SIGKILLs workers
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    assert marker["step"] < 24, output[-2000:]
+    assert (run_dir / "checkpoints" / f"step_{marker['step']:08d}" / "manifest.json").exists()
+    resume(run_dir, corpus, tmp_path)
+    assert_matches_baseline(run_dir, baseline)
+
+
+def test_kill_9_of_one_rank_then_resume_latest(tmp_path, corpus, baseline):
+    run_dir = tmp_path / "run"
+    started = time.time()
+    crashed = launch_accelerate(baseline_args(run_dir, corpus), tmp_path, script=FAULTY_MAIN,
+                                env_extra={"FAULT_STEP": 13, "FAULT_RANK": 1, "FAULT_ACTION": "sigkill",
+                                           "FAULT_ONCE": tmp_path / "once"})
+    assert crashed.returncode != 0 and time.time() - started < 90
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000008"]
+    resumed = resume(run_dir, corpus, tmp_path)
+    assert "(step 8)" in resumed.output
+    assert_matches_baseline(run_dir, baseline)
+
+
+@pytest.mark.parametrize("point", ["after_model", "before_publish"])
+def test_killed_inside_a_save_resumes_from_the_previous_checkpoint(tmp_path, corpus, baseline, point):
+    run_dir = tmp_path / "run"
+    crashed = launch_accelerate(baseline_args(run_dir, corpus), tmp_path, script=FAULTY_MAIN,
+                                env_extra={"FAULT_SAVE_AT": point, "FAULT_SAVE_NUMBER": 2, "FAULT_RANK": 0,
+                                           "FAULT_ONCE": tmp_path / "once"})
+    assert crashed.returncode != 0
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_00000008", "step_00000016.tmp"]  # the half-written save never got its final name
+    resumed = resume(run_dir, corpus, tmp_path)
+    assert "(step 8)" in resumed.output
+    assert_matches_baseline(run_dir, baseline)
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))  # cleaned up after the next commit
+
+
+def test_resume_latest_without_a_checkpoint_starts_fresh(tmp_path, corpus):
+    run = launch_accelerate([*baseline_args(tmp_path / "run", corpus, max_steps=6, save_every=0), "--resume",
+                             "latest"], tmp_path).check()
+    assert "resume: no checkpoint in" in run.output and "starting fresh" in run.output
+
+
+def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path, corpus, baseline):
+    run = launch_accelerate(baseline_args(baseline.output_dir, corpus), tmp_path)
+    assert run.returncode != 0
+    assert "already holds checkpoints; pass --resume latest" in run.output, run.tail()
+
+
+def test_resume_with_a_different_model_or_world_size_is_a_one_line_error(tmp_path, corpus, baseline):
+    checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
+    wider = launch_accelerate([*baseline_args(tmp_path / "a", corpus, n_embd=96), "--resume", checkpoint],
+                              tmp_path)
+    assert wider.returncode != 0
+    errors = [line for line in wider.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "does not fit this model" in errors[0], wider.tail()
+    one_process = launch_accelerate([*baseline_args(tmp_path / "b", corpus), "--resume", checkpoint], tmp_path,
+                                    num_processes=1)
+    assert one_process.returncode != 0
+    assert "different run geometry (world_size 2 -> 1)" in one_process.output, one_process.tail()

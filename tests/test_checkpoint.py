@@ -1,0 +1,178 @@
+"""Checkpoint protocol, in one process: round trip, atomic layout, pruning, and refusing bad files."""
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import CheckpointError, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from config import TrainConfig
+from main import build_optimizer
+from model import build_model
+
+
+class OneProcess:
+    """The plumbing members checkpoint.py uses, for a single process without a process group."""
+
+    device = torch.device("cpu")
+    is_main_process = is_local_main_process = True
+    num_processes, process_index = 1, 0
+
+    def wait_for_everyone(self):
+        pass
+
+    def reduce(self, tensor, reduction="mean"):
+        return tensor
+
+    def unwrap_model(self, model):
+        return model
+
+
+def setup(tmp_path, **kw):
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), n_layer=1, n_head=2, n_embd=16, block_size=8,
+                      keep_last=2, **kw)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg)
+    model(input_ids=torch.randint(0, 256, (2, 8)), labels=torch.randint(0, 256, (2, 8))).loss.backward()
+    optimizer.step()  # the optimizer has state worth saving
+    return cfg, model, optimizer
+
+
+def test_round_trip_restores_weights_optimizer_rng_and_state(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    state = TrainState(step=7, samples_seen=112, tokens_seen=896, epoch=1, tracker_run_id="abc123")
+    torch.manual_seed(42)
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, state)
+    expected_draw = torch.rand(3)
+    assert path.name == "step_00000007" and latest_checkpoint(cfg.output_dir) == path
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "train_state.json"}
+
+    _, fresh_model, fresh_optimizer = setup(tmp_path / "other")
+    with torch.no_grad():
+        for p in fresh_model.parameters():
+            p.add_(1.0)
+    torch.manual_seed(0)
+    restored = load_checkpoint(OneProcess(), cfg, path, fresh_model, fresh_optimizer)
+    assert restored == state
+    for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert fresh_model.lm_head.weight is fresh_model.wte.weight  # still tied after loading
+    exp_avg = lambda opt: [s["exp_avg"] for s in opt.state_dict()["state"].values()]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(exp_avg(optimizer), exp_avg(fresh_optimizer)))
+    assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
+
+
+def test_keep_last_prunes_after_commit_and_latest_ignores_partial_folders(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    for step in (2, 4, 6):
+        save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=step))
+    root = checkpoint.checkpoint_root(cfg.output_dir)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
+    (root / "step_00000008.tmp").mkdir()  # a crash mid-save
+    (root / "step_00000009").mkdir()  # a folder without a manifest
+    assert latest_checkpoint(cfg.output_dir).name == "step_00000006"
+    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=10))
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000006", "step_00000009", "step_00000010"]
+
+
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=3))
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=3, samples_seen=9))
+    assert json.loads((path / "train_state.json").read_text())["samples_seen"] == 9
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step_00000003"]
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    cfg, model, optimizer = setup(tmp_path)
+    good = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+
+    def disk_full(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_model", disk_full)
+    with pytest.raises(CheckpointError, match="saving the checkpoint of step 2 .* failed: .*No space left"):
+        save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=2))
+    assert [p.name for p in good.parent.iterdir()] == [good.name]
+    assert latest_checkpoint(cfg.output_dir) == good
+
+
+class Payload:
+    """Unpickling this runs `touch SENTINEL`: what a crafted checkpoint file would do."""
+
+    def __init__(self, sentinel):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.sentinel}",)
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "rng_rank0.pt"])
+def test_a_malicious_pickle_is_refused_and_does_not_run(tmp_path, name):
+    cfg, model, optimizer = setup(tmp_path)
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    sentinel = tmp_path / "SENTINEL"
+    (path / name).write_bytes(pickle.dumps(Payload(sentinel)))
+    manifest = json.loads((path / "manifest.json").read_text())  # a forger rewrites the manifest too
+    manifest["files"][name] = (path / name).stat().st_size
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(OneProcess(), cfg, path, model, optimizer)
+    assert f"{path / name} refused: not a plain tensor file" in str(error.value)
+    assert "\n" not in str(error.value)
+    assert not sentinel.exists()
+
+
+def test_a_tampered_or_truncated_file_fails_the_manifest(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    data = (path / "optimizer.pt").read_bytes()
+    (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="optimizer.pt is missing or has the wrong size"):
+        load_checkpoint(OneProcess(), cfg, path, model, optimizer)
+
+
+def test_a_checkpoint_of_another_shape_is_refused_before_anything_changes(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    wider = TrainConfig(**{**cfg.__dict__, "n_embd": 32})
+    other = build_model(wider)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"does not fit this model: .*wte.weight|does not fit this model"):
+        load_checkpoint(OneProcess(), wider, path, other, build_optimizer(other, wider))
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def test_a_different_world_size_or_batch_is_refused(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    two = OneProcess()
+    two.num_processes = 2
+    with pytest.raises(CheckpointError, match=r"different run geometry \(world_size 1 -> 2\)"):
+        load_checkpoint(two, cfg, path, model, optimizer)
+    bigger = TrainConfig(**{**cfg.__dict__, "batch_size": 32})
+    with pytest.raises(CheckpointError, match="batch_size 16 -> 32"):
+        load_checkpoint(OneProcess(), bigger, path, model, optimizer)
+
+
+def test_a_folder_that_is_not_a_checkpoint(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match="is not a checkpoint: no train_state.json"):
+        load_checkpoint(OneProcess(), cfg, junk, model, optimizer)
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    (path / "model.safetensors").write_bytes(pickle.dumps({"weights": 1}))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = (path / "model.safetensors").stat().st_size
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="model.safetensors is not a safetensors file"):
+        load_checkpoint(OneProcess(), cfg, path, model, optimizer)
+    assert Path(path).exists()
