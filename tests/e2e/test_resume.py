@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 from conftest import (FAULTY_MAIN, accelerate_cmd, base_env, baseline_args, launch_accelerate, load_weights,
-                      read_metrics)
+                      read_metrics, run_python, tiny_args)
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +83,16 @@ def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(tmp_p
     assert (run_dir / "checkpoints" / f"step_{marker['step']:08d}" / "manifest.json").exists()
     resume(run_dir, corpus, tmp_path)
     assert_matches_baseline(run_dir, baseline)
+
+
+def test_sigusr1_without_a_launcher_exits_75_after_a_checkpoint(tmp_path, corpus):
+    run_dir = tmp_path / "run"
+    stopped = run_python(tiny_args(run_dir, corpus, max_steps=12, save_every=0), tmp_path, script=FAULTY_MAIN,
+                         env_extra={"FAULT_STEP": 5, "FAULT_ACTION": "sigusr1"})
+    assert stopped.returncode == 75, stopped.tail()
+    assert json.loads((run_dir / "preempted.json").read_text())["signal"] == "SIGUSR1"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000005"]
+    assert not (run_dir / "model.safetensors").exists()  # stopped, not finished
 
 
 def test_kill_9_of_one_rank_then_resume_latest(tmp_path, corpus, baseline):

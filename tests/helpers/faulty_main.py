@@ -4,6 +4,7 @@ Environment variables, each optional, read once at start-up:
     FAULT_STEP=k          act when step k completes (the k-th step boundary of this process)
     FAULT_RANK=r          only on global rank r (default: every rank)
     FAULT_ACTION=sigterm  send SIGTERM to this process (a preemption: checkpoint and exit)
+                 sigusr1  send SIGUSR1 (SLURM's advance warning with --signal)
                  sigkill  SIGKILL this process (a crashed node)
     FAULT_SAVE_AT=name    SIGKILL this process inside a checkpoint save, at the point `name`:
                           after_model | after_shared | before_publish
@@ -45,7 +46,7 @@ def inject_step_fault(step: int, action: str) -> None:
     def requested(self, plumbing):
         boundaries["n"] += 1
         if boundaries["n"] == step and armed():
-            os.kill(os.getpid(), signal.SIGTERM if action == "sigterm" else signal.SIGKILL)
+            os.kill(os.getpid(), {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}.get(action, signal.SIGKILL))
         return original(self, plumbing)
 
     checkpoint.Preemption.requested = requested
