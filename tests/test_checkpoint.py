@@ -28,7 +28,7 @@ class OneProcess:
     def reduce(self, tensor, reduction="mean"):
         return tensor
 
-    def unwrap_model(self, model):
+    def unwrap_model(self, model, keep_torch_compile=True):
         return model
 
 

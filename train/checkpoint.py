@@ -101,7 +101,7 @@ def save_checkpoint(plumbing, cfg, model, optimizer, state: TrainState) -> Path:
 
 def write_shared_files(folder: Path, plumbing, cfg, model, optimizer, state: TrainState) -> None:
     """What one process writes for everyone: weights, optimizer, grad scaler, train state."""
-    save_model(plumbing.unwrap_model(model), str(folder / "model.safetensors"))
+    save_model(plumbing.unwrap_model(model, keep_torch_compile=False), str(folder / "model.safetensors"))
     _save_tensors(optimizer.state_dict(), folder / "optimizer.pt")
     scaler = getattr(plumbing, "scaler", None)
     if scaler is not None:
@@ -179,7 +179,7 @@ def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer) -> TrainState
         raise CheckpointError(f"{folder} was saved with a different run geometry ({', '.join(changed)}); "
                               f"an exact resume needs the same world size, batch_size, grad_accum_steps "
                               f"and block_size")
-    module = plumbing.unwrap_model(model)
+    module = plumbing.unwrap_model(model, keep_torch_compile=False)
     _check_weights(folder / "model.safetensors", module)
     rng_file = folder / f"rng_rank{plumbing.process_index}.pt"
     rng = _load_tensors(rng_file, "cpu")
@@ -302,7 +302,7 @@ def export_model(plumbing, model, output_dir: str) -> Path:
     path = Path(output_dir) / "model.safetensors"
     if plumbing.is_main_process:
         tmp = path.with_name(path.name + ".tmp")
-        save_model(plumbing.unwrap_model(model), str(tmp))
+        save_model(plumbing.unwrap_model(model, keep_torch_compile=False), str(tmp))  # no _orig_mod. prefixes
         os.replace(tmp, path)
     plumbing.wait_for_everyone()
     return path

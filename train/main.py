@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def build_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
-    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
 
     accelerator = Accelerator(
         # Measured: on a machine without a GPU, Accelerator() leaves every launched process believing it
@@ -47,6 +47,9 @@ def build_accelerator(cfg: TrainConfig):
         # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on the torch path
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum_steps,
                                                                 sync_with_dataloader=False),
+        # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the host on each
+        # batch: 1.08x the bare loop's step time on an H100 with it, 1.04x without (bench/throughput.py)
+        dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
     )
     check_world_size(accelerator.num_processes)
@@ -85,10 +88,11 @@ def train(cfg: TrainConfig, accelerator) -> int:
     # ---------------------------------------------------------------- resume
     state = resume_or_start(cfg, accelerator, model, optimizer, log)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     log.start(state.step, {**environment_info(), "processes": accelerator.num_processes,
                            "global_batch_size": global_batch, "tokens_per_step": global_batch * cfg.block_size,
                            "train_samples": len(train_set), "eval_samples": len(eval_set),
-                           "parameters": sum(p.numel() for p in accelerator.unwrap_model(model).parameters())})
+                           "parameters": sum(p.numel() for p in plain_model.parameters())})
     batches = micro_batches(train_loader, sampler, cfg, accelerator.num_processes, state)
     throughput = Throughput(global_batch, global_batch * cfg.block_size)
     preemption = Preemption()  # SIGTERM / SIGUSR1: stop at the next step boundary, checkpoint, exit

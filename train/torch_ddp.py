@@ -108,9 +108,13 @@ class TorchDDP:
         if self.distributed:
             dist.barrier()
 
-    def unwrap_model(self, model):
-        model = model.module if isinstance(model, DDP) else model
-        return getattr(model, "_orig_mod", model)  # torch.compile's wrapper: save the real module
+    def unwrap_model(self, model, keep_torch_compile: bool = True):
+        """The module inside DDP; also inside torch.compile's wrapper when keep_torch_compile is False.
+        (train() compiles the prepared model, compile(DDP(module)), so under DDP both wrappers come off.)"""
+        if keep_torch_compile and not self.distributed:
+            return model
+        module = getattr(model, "_orig_mod", model)
+        return module.module if isinstance(module, DDP) else module
 
     def end_training(self) -> None:
         self.wait_for_everyone()
