@@ -26,7 +26,7 @@ from checkpoint import (CheckpointError, Preemption, TrainState, export_model, l
 from config import ConfigError, TrainConfig, load_config
 from data import EpochSampler, build_datasets, collate
 from model import build_model, causal_lm_loss
-from tracking import MetricsLogger, Throughput, environment_info
+from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,6 +51,8 @@ def build_accelerator(cfg: TrainConfig):
         # batch: 1.08x the bare loop's step time on an H100 with it, 1.04x without (bench/throughput.py)
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
+        log_with=cfg.trackers() or None,  # started later, by MetricsLogger, on the main process only
+        project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
     )
     check_world_size(accelerator.num_processes)
     return accelerator
@@ -62,11 +64,12 @@ def train(cfg: TrainConfig, accelerator) -> int:
     `accelerator` is an accelerate.Accelerator, or torch_ddp.TorchDDP, which implements the members
     used here with plain torch.distributed: device, is_main_process, is_local_main_process,
     num_processes, process_index, prepare, accumulate, sync_gradients, backward, clip_grad_norm_,
-    reduce, gather_for_metrics, main_process_first, wait_for_everyone, unwrap_model, end_training.
+    reduce, gather_for_metrics, main_process_first, wait_for_everyone, unwrap_model, end_training,
+    and for trackers: init_trackers, log, trackers.
     """
     # ---------------------------------------------------------------- setup
     seed_everything(cfg.seed)  # the same model init on every rank
-    log = MetricsLogger(cfg, is_main=accelerator.is_main_process, is_local_main=accelerator.is_local_main_process)
+    log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     # ---------------------------------------------------------------- data
     with accelerator.main_process_first():  # rank 0 fills the datasets cache, the others reuse it
         train_set, eval_set = build_datasets(cfg)
@@ -87,14 +90,17 @@ def train(cfg: TrainConfig, accelerator) -> int:
     seed_everything(cfg.seed + accelerator.process_index)  # dropout masks differ per rank, as they should
     # ---------------------------------------------------------------- resume
     state = resume_or_start(cfg, accelerator, model, optimizer, log)
+    state.tracker_run_id = state.tracker_run_id or new_run_id()  # a resumed run continues its W&B run
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     log.start(state.step, {**environment_info(), "processes": accelerator.num_processes,
                            "global_batch_size": global_batch, "tokens_per_step": global_batch * cfg.block_size,
                            "train_samples": len(train_set), "eval_samples": len(eval_set),
                            "parameters": sum(p.numel() for p in plain_model.parameters())})
+    log.start_trackers(state.tracker_run_id)
     batches = micro_batches(train_loader, sampler, cfg, accelerator.num_processes, state)
-    throughput = Throughput(global_batch, global_batch * cfg.block_size)
+    throughput = Throughput(global_batch, global_batch * cfg.block_size, flops_per_token(plain_model),
+                            accelerator.num_processes, cfg.mixed_precision)
     preemption = Preemption()  # SIGTERM / SIGUSR1: stop at the next step boundary, checkpoint, exit
     # ---------------------------------------------------------------- loop
     model.train()
@@ -136,7 +142,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
     # ---------------------------------------------------------------- save
     path = export_model(accelerator, model, cfg.output_dir)
     log.info(f"model: {path}")
-    log.close()
+    log.close()  # finishes the trackers
     accelerator.end_training()
     return 0
 

@@ -93,6 +93,14 @@ class GPT(nn.Module):
             if getattr(module, "residual_scaled", False):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token as in PaLM (appendix B) and nanoGPT: 6N for the weight matmuls
+        (N = parameters without position embeddings; the tied embedding counts, it is the output layer),
+        plus 12 * layers * width * context for attention scores and values."""
+        n_params = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        n_layer, width = len(self.blocks), self.wte.weight.shape[1]
+        return 6 * n_params + 12 * n_layer * width * self.block_size
+
     @staticmethod
     def _init_weights(module):
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -53,6 +53,7 @@ class TorchDDP:
         self.sync_gradients = True
         self._micro_step = 0
         self.eval_samples_left = 0  # set by the eval loader; lets gather_for_metrics drop the padding
+        self.trackers = []
 
     def prepare(self, model, optimizer, train_loader, eval_loader):
         model = model.to(self.device)
@@ -115,6 +116,25 @@ class TorchDDP:
             return model
         module = getattr(model, "_orig_mod", model)
         return module.module if isinstance(module, DDP) else module
+
+    def init_trackers(self, project_name: str, config: dict, init_kwargs: dict) -> None:
+        """Accelerate's own tracker classes (W&B, TensorBoard), created on the main process only."""
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        if not self.is_main_process:
+            return
+        for name in self.cfg.trackers():
+            tracker_class, kwargs = LOGGER_TYPE_TO_CLASS[name], init_kwargs.get(name, {})
+            if tracker_class.requires_logging_directory:
+                self.trackers.append(tracker_class(project_name, self.cfg.output_dir, **kwargs))
+            else:
+                self.trackers.append(tracker_class(project_name, **kwargs))
+            self.trackers[-1].start()
+            self.trackers[-1].store_init_configuration(config)
+
+    def log(self, values: dict, step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log(values, step=step)
 
     def end_training(self) -> None:
         self.wait_for_everyone()

@@ -1,14 +1,19 @@
 """What a run reports: metrics.jsonl, config.yaml, console lines, a progress bar, and trackers.
 
 `MetricsLogger` is a no-op off the main process, so the loop calls it on every rank without a
-single `if rank == 0`. The progress bar shows on each node's local main process.
+single `if rank == 0`. The progress bar shows on each node's local main process. Trackers (W&B,
+TensorBoard) go through Accelerate's tracking API (`init_trackers`, `log`), which only the main
+process acts on; the same row goes to metrics.jsonl, so a run can be read without any tracker.
 """
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import json
 import math
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -21,11 +26,13 @@ PREEMPTED_MARKER = "preempted.json"
 
 
 class MetricsLogger:
-    def __init__(self, cfg: TrainConfig, is_main: bool, is_local_main: bool):
-        self.cfg, self.enabled, self.show_progress = cfg, is_main, is_local_main
+    def __init__(self, cfg: TrainConfig, plumbing):
+        self.cfg, self.plumbing = cfg, plumbing
+        self.enabled, self.show_progress = plumbing.is_main_process, plumbing.is_local_main_process
         self.output_dir = Path(cfg.output_dir)
         self.metrics_file = None
         self.bar = None
+        self.tracker_failed = False
 
     def start(self, step: int, run_info: dict) -> None:
         """Write config.yaml and run_info.json; keep metrics.jsonl rows up to `step` (a resume re-logs the rest)."""
@@ -43,8 +50,34 @@ class MetricsLogger:
         kept = [line for line in _read_lines(path) if json.loads(line).get("step", 0) <= step]
         path.write_text("".join(kept))
         self.metrics_file = open(path, "a", buffering=1)  # line-buffered: readable while training runs
+        atexit.register(self.close)  # trackers are finished on every way out, errors included (W&B hangs otherwise)
         for key, value in run_info.items():
             self.info(f"{key}: {value}")
+
+    def start_trackers(self, run_id: str) -> None:
+        """Start the configured trackers on the main process; W&B that cannot start falls back to offline."""
+        names = self.cfg.trackers()
+        if "wandb" in names and importlib.util.find_spec("wandb") is None:
+            self.warn("tracker wandb: the wandb package is not installed (pip install wandb); not logging to W&B")
+            names.remove("wandb")
+        if not names or not self.enabled:
+            return
+        project = os.environ.get("WANDB_PROJECT") or self.cfg.project
+        init_kwargs = {"wandb": wandb_init_kwargs(self.cfg, run_id)}
+        try:
+            self.plumbing.init_trackers(project, config=to_dict(self.cfg), init_kwargs=init_kwargs)
+        except Exception as e:  # no API key, no network, server down: training goes on
+            if "wandb" not in names:
+                raise
+            self.warn(f"W&B could not start ({_first_line(e)}); logging to W&B offline instead")
+            started = [t for t in self.plumbing.trackers if t.name != "wandb"]  # W&B's own init is what failed
+            self.plumbing.trackers[:] = started
+            finish_trackers(self.plumbing)
+            init_kwargs["wandb"]["mode"] = "offline"
+            self.plumbing.init_trackers(project, config=to_dict(self.cfg), init_kwargs=init_kwargs)
+        wandb_run = next((t.tracker for t in self.plumbing.trackers if t.name == "wandb"), None)
+        if wandb_run is not None and wandb_run.settings.mode == "offline":
+            self.info(f"W&B is offline: upload this run later with `wandb sync {wandb_run.dir.rsplit('/', 1)[0]}`")
 
     def log(self, step: int, metrics: dict) -> None:
         """One metrics.jsonl row and one console line."""
@@ -52,6 +85,7 @@ class MetricsLogger:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.metrics_file.write(json.dumps(row) + "\n")
+        self._to_trackers(row, step)
         self.info(" | ".join([f"step {step}/{self.cfg.max_steps}"] + [_fmt(k, v) for k, v in row.items()
                                                                       if k != "step"]))
 
@@ -69,22 +103,66 @@ class MetricsLogger:
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
+    def _to_trackers(self, row: dict, step: int) -> None:
+        if self.plumbing.trackers and not self.tracker_failed:
+            try:
+                self.plumbing.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
+            except Exception as e:  # a tracker's trouble never stops training
+                self.tracker_failed = True
+                self.warn(f"tracker logging failed ({_first_line(e)}); metrics.jsonl continues, trackers stop")
+
     def info(self, message: str) -> None:
         if self.enabled:
             tqdm.write(message)  # prints above the progress bar instead of through it
 
+    def warn(self, message: str) -> None:
+        self.info(f"warning: {message}")
+
     def close(self) -> None:
+        """Idempotent: called at the end, on preemption, and at exit."""
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.metrics_file is not None:
             self.metrics_file.close()
+            self.metrics_file = None
+        finish_trackers(self.plumbing)
+
+
+def wandb_init_kwargs(cfg: TrainConfig, run_id: str) -> dict:
+    """wandb.init arguments: the run id from the checkpoint continues the same run after a resume.
+    Entity, tags and group fall back to WANDB_ENTITY / WANDB_TAGS / WANDB_RUN_GROUP; the API key only
+    ever comes from WANDB_API_KEY or `wandb login`."""
+    kwargs = {"name": cfg.run_label, "id": run_id, "resume": "allow", "dir": cfg.output_dir}
+    optional = {"entity": cfg.wandb_entity, "group": cfg.wandb_group,
+                "tags": [t for t in cfg.wandb_tags.split(",") if t]}
+    return {**kwargs, **{k: v for k, v in optional.items() if v}}
+
+
+def new_run_id() -> str:
+    return secrets.token_hex(4)  # from os.urandom: drawing it does not move the training RNG
+
+
+def finish_trackers(plumbing) -> None:
+    for tracker in plumbing.trackers:
+        tracker.finish()
+    plumbing.trackers.clear()
 
 
 class Throughput:
-    """Tokens/s and samples/s over the training time since the last report (eval and saves excluded)."""
+    """Tokens/s, samples/s, step time, and (on GPUs) MFU and peak memory, over the training time since
+    the last report (eval and checkpoint time excluded)."""
 
-    def __init__(self, samples_per_step: int, tokens_per_step: int):
+    def __init__(self, samples_per_step: int, tokens_per_step: int, flops_per_token: float, num_processes: int,
+                 mixed_precision: str):
+        import torch
+
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
+        self.on_gpu = torch.cuda.is_available()
+        peak = peak_flops_per_gpu(torch.cuda.get_device_name()) if self.on_gpu else None
+        # MFU is against the bf16 tensor-core peak, so only quoted for bf16/fp16 runs; none on CPU
+        self.peak_flops = peak * num_processes if peak and mixed_precision != "no" else None
+        self.flops_per_token = flops_per_token
         self.restart()
 
     def restart(self) -> None:
@@ -98,8 +176,36 @@ class Throughput:
         rates = {"tokens_per_s": self.steps * self.tokens_per_step / elapsed,
                  "samples_per_s": self.steps * self.samples_per_step / elapsed,
                  "step_time_s": elapsed / max(self.steps, 1)}
+        if self.peak_flops:
+            rates["mfu"] = rates["tokens_per_s"] * self.flops_per_token / self.peak_flops
+        if self.on_gpu:
+            import torch
+
+            rates["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.restart()
         return rates
+
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. Matched in order
+# against torch.cuda.get_device_name(); a GPU that is not listed gets no MFU figure rather than a wrong one.
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12),
+                   ("RTX 4090", 165e12), ("RTX 3090", 71e12)]
+
+
+def peak_flops_per_gpu(device_name: str) -> float | None:
+    return next((flops for name, flops in PEAK_BF16_FLOPS if name in device_name), None)
+
+
+def flops_per_token(model) -> float:
+    """Training FLOPs per token: the model's own estimate if it has one, else 6 x parameters (Kaplan)."""
+    if hasattr(model, "flops_per_token"):
+        return model.flops_per_token()
+    return 6 * sum(p.numel() for p in model.parameters())
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def _read_lines(path: Path) -> list[str]:

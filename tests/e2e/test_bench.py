@@ -1,0 +1,23 @@
+"""The benchmark script runs end to end in its quick mode and reports every figure (not their values)."""
+
+import json
+import sys
+
+import pytest
+from conftest import REPO, base_env, run
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run([sys.executable, str(REPO / "bench/throughput.py"), "--quick", "--out", str(out)], base_env(tmp_path),
+                 timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    summary = json.loads(out.read_text())
+    for variant in ("bare", "accelerate", "torch"):
+        figures = summary[variant]
+        assert figures["step_time_s"] > 0 and figures["tokens_per_s"] > 0
+        assert 0 <= figures["loader_wait_frac"] < 1
+    assert summary["accelerate_over_bare"] > 0 and summary["torch_over_accelerate"] > 0
+    assert "accelerate / bare:" in result.stdout and "loader wait" in result.stdout

@@ -1,0 +1,79 @@
+"""Trackers end to end: W&B offline from 2 processes, run continuity on resume, TensorBoard, fallbacks, plots."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAULTY_MAIN, REPO, base_env, launch_accelerate, read_metrics, run, run_python, tiny_args
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from wandb_reader import read_run  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SECRETS = {"WANDB_API_KEY": "local-0123456789abcdef0123456789abcdef01234567", "HF_TOKEN": "hf_secretTOKEN4242"}
+
+
+def offline_runs(output_dir):
+    return sorted((output_dir / "wandb").glob("offline-run-*"))
+
+
+def assert_no_secrets(folder):
+    for path in folder.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            for secret in SECRETS.values():
+                assert secret.encode() not in data, f"{secret} written to {path}"
+
+
+def test_wandb_offline_two_processes_and_tensorboard(tmp_path, corpus):
+    out = tmp_path / "run"
+    launch_accelerate(tiny_args(out, corpus, max_steps=8, log_every=2, eval_every=4, save_every=0,
+                                tracker="wandb,tensorboard"), tmp_path, env_extra=SECRETS).check()
+    runs = offline_runs(out)
+    assert len(runs) == 1, runs  # the main process only: rank 1 created no run
+    run_files = list(runs[0].glob("run-*.wandb"))
+    wandb_run = read_run(run_files[0])
+    assert wandb_run["exit_code"] == 0  # finish() ran
+    assert wandb_run["config"]["lr"] == 3e-3 and wandb_run["config"]["tracker"] == "wandb,tensorboard"
+    steps = {row["_step"]: row for row in wandb_run["history"]}
+    assert sorted(steps) == [2, 4, 6, 8]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s"):
+        assert key in steps[8], key
+    assert "eval_loss" in steps[4] and "eval_perplexity" in steps[8]
+    jsonl = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
+    assert {s: steps[s]["loss"] for s in steps} == jsonl  # the same numbers in both places
+    assert_no_secrets(out)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "accelerate-template")).Reload()
+    assert [e.step for e in events.Scalars("loss")] == [2, 4, 6, 8]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([jsonl[s] for s in (2, 4, 6, 8)])
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, corpus):
+    out = tmp_path / "run"
+    args = tiny_args(out, corpus, max_steps=10, log_every=1, eval_every=100, save_every=100, tracker="wandb")
+    launch_accelerate(args, tmp_path, script=FAULTY_MAIN, env_extra={"FAULT_STEP": 4, "FAULT_ONCE": tmp_path / "x"})
+    launch_accelerate([*args, "--resume", "latest"], tmp_path).check()
+    first, second = (read_run(next(p.glob("run-*.wandb"))) for p in offline_runs(out))
+    assert first["run_id"] == second["run_id"]  # offline, W&B writes a second folder with the same id
+    assert all(p.name.endswith(first["run_id"]) for p in offline_runs(out))
+    assert [r["_step"] for r in second["history"]] == list(range(5, 11))  # continues after the checkpoint
+
+
+def test_wandb_without_credentials_falls_back_to_offline_and_trains(tmp_path, corpus):
+    out = tmp_path / "run"
+    env = {"WANDB_MODE": "online", "HOME": tmp_path, "WANDB_CONFIG_DIR": tmp_path / "cfg", "WANDB_API_KEY": ""}
+    result = run_python(tiny_args(out, corpus, max_steps=4, warmup_steps=1, save_every=0, eval_every=4,
+                                  tracker="wandb"), tmp_path, env_extra=env, timeout=180).check()
+    assert "warning: W&B could not start" in result.output and "offline instead" in result.output
+    assert len(offline_runs(out)) == 1 and (out / "model.safetensors").exists()
+
+
+def test_plot_helper_writes_a_png(tmp_path, baseline):
+    out = tmp_path / "curves.png"
+    result = run([sys.executable, str(REPO / "scripts/plot_metrics.py"), str(baseline.output_dir), "--out", str(out)],
+                 base_env(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

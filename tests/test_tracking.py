@@ -1,0 +1,68 @@
+"""Tracking pieces in-process: the FLOPs-per-token formula, the peak table, the logger's no-op mode."""
+
+import json
+
+import pytest
+import torch
+
+from config import TrainConfig
+from model import build_model
+from tracking import MetricsLogger, Throughput, flops_per_token, peak_flops_per_gpu, wandb_init_kwargs
+
+
+def test_flops_per_token_matches_a_hand_count():
+    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=4)
+    d, L, T, V = 8, 2, 4, 256
+    per_block = (2 * d) + (3 * d * d + 3 * d) + (d * d + d) + (2 * d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    #             ln_1       qkv                 attn proj     ln_2      fc                    mlp proj
+    params = V * d + L * per_block + 2 * d  # tied embedding/output + blocks + final norm; no position table
+    expected = 6 * params + 12 * L * d * T
+    model = build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == params + T * d  # the position table is the rest
+    assert model.flops_per_token() == expected == flops_per_token(model)
+
+
+def test_a_model_without_an_estimate_gets_six_n():
+    model = torch.nn.Linear(10, 5)
+    assert flops_per_token(model) == 6 * 55
+
+
+@pytest.mark.parametrize("name, flops", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                                         ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA L4", 121e12),
+                                         ("NVIDIA GeForce GTX 1080", None)])
+def test_peak_table(name, flops):
+    assert peak_flops_per_gpu(name) == flops
+
+
+def test_no_mfu_or_gpu_memory_on_cpu():
+    meter = Throughput(samples_per_step=8, tokens_per_step=512, flops_per_token=1e6, num_processes=2,
+                       mixed_precision="bf16")
+    meter.step()
+    report = meter.report()
+    assert report["tokens_per_s"] > 0 and report["samples_per_s"] > 0 and report["step_time_s"] > 0
+    assert "mfu" not in report and "peak_mem_gib" not in report
+
+
+class NotMain:
+    is_main_process = is_local_main_process = False
+    trackers = []
+
+
+def test_logger_is_a_no_op_off_the_main_process(tmp_path):
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
+    log = MetricsLogger(cfg, NotMain())
+    log.start(0, {"processes": 2})
+    log.start_trackers("abc")
+    log.log(1, {"loss": 1.0})
+    log.preempted(1, "SIGTERM", "somewhere")
+    log.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_arguments_come_from_config_and_never_hold_a_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "sk-should-not-appear")
+    cfg = TrainConfig(output_dir=str(tmp_path / "exp1"), wandb_tags="a,b", wandb_group="sweep")
+    kwargs = wandb_init_kwargs(cfg, "run123")
+    assert kwargs == {"name": "exp1", "id": "run123", "resume": "allow", "dir": str(tmp_path / "exp1"),
+                      "group": "sweep", "tags": ["a", "b"]}
+    assert "sk-should-not-appear" not in json.dumps(kwargs)
