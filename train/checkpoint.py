@@ -6,6 +6,10 @@
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
     <output_dir>/model.safetensors              the exported model at the end of training
 
+Who writes: with `shared_filesystem` (the default) the main process writes the shared files and
+commits; on node-local disks (`--shared_filesystem false`) each node's local main process does, so
+every node holds a complete copy of each checkpoint (its own ranks' RNG files included).
+
 Both plumbings (Accelerate and torch_ddp.py) use these functions, so a checkpoint written by one
 resumes under the other. The template owns the format instead of calling `accelerator.save_state`:
 save_state writes straight into its final folder, pickles RNG states, and logs a refused RNG file at
@@ -74,13 +78,14 @@ def save_checkpoint(plumbing, cfg, model, optimizer, state: TrainState) -> Path:
     root = checkpoint_root(cfg.output_dir)
     final = root / f"{STEP_PREFIX}{state.step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    if plumbing.is_main_process:
+    writer = plumbing.is_main_process if cfg.shared_filesystem else plumbing.is_local_main_process
+    if writer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     plumbing.wait_for_everyone()  # the folder exists before anyone writes into it
     error = None
     try:
-        if plumbing.is_main_process:
+        if writer:
             write_shared_files(tmp, plumbing, cfg, model, optimizer, state)
         _save_tensors(rng_state(), tmp / f"rng_rank{plumbing.process_index}.pt")
     except OSError as e:
@@ -88,12 +93,13 @@ def save_checkpoint(plumbing, cfg, model, optimizer, state: TrainState) -> Path:
     # a barrier cannot tell success from failure: count the processes that failed instead
     failed = plumbing.reduce(torch.tensor(float(error is not None), device=plumbing.device), "sum")
     if failed.item() > 0:
-        if plumbing.is_main_process:
+        if writer:
             shutil.rmtree(tmp, ignore_errors=True)
         where = f": {error}" if error else " on another process"
         raise CheckpointError(f"saving the checkpoint of step {state.step} to {final} failed{where}")
-    if plumbing.is_main_process:
-        _publish(tmp, final, plumbing.num_processes, state.step)
+    if writer:
+        ranks = range(plumbing.num_processes) if cfg.shared_filesystem else ranks_on_this_node(plumbing.num_processes)
+        _publish(tmp, final, ranks, state.step)
         prune_checkpoints(cfg.output_dir, cfg.keep_last)
     plumbing.wait_for_everyone()  # nobody reads or resumes from a checkpoint before it is committed
     return final
@@ -112,12 +118,20 @@ def write_shared_files(folder: Path, plumbing, cfg, model, optimizer, state: Tra
     _write_file(folder / "train_state.json", json.dumps(train_state, indent=2).encode())
 
 
-def _publish(tmp: Path, final: Path, world_size: int, step: int) -> None:
+def ranks_on_this_node(world_size: int) -> range:
+    """Global ranks launched on this node (torchrun, and so accelerate launch, set these variables)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    return range(node * per_node, (node + 1) * per_node)
+
+
+def _publish(tmp: Path, final: Path, ranks, step: int) -> None:
     """Manifest last, then one rename: a checkpoint is either complete under its final name or absent."""
-    expected = [f"rng_rank{r}.pt" for r in range(world_size)]
+    expected = [f"rng_rank{r}.pt" for r in ranks]
     missing = [name for name in expected if not (tmp / name).is_file()]
     if missing:
-        raise CheckpointError(f"checkpoint of step {step} is missing {', '.join(missing)}")
+        raise CheckpointError(f"checkpoint of step {step} is missing {', '.join(missing)}: is output_dir on a "
+                              f"filesystem every node sees? If not, pass --shared_filesystem false")
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
     _write_file(tmp / "manifest.json", json.dumps({"step": step, "files": files}, indent=2).encode())
     if final.exists():  # the same step saved again (a resumed run): keep the old one until the swap
@@ -193,7 +207,18 @@ def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer) -> TrainState
     if scaler is not None:
         scaler.load_state_dict(_load_tensors(folder / "scaler.pt", "cpu"))
     set_rng_state(rng, rng_file)
+    _check_same_step_everywhere(plumbing, saved["step"])
     return TrainState(**{f.name: saved[f.name] for f in fields(TrainState) if f.name in saved})
+
+
+def _check_same_step_everywhere(plumbing, step: int) -> None:
+    """On node-local disks each node picks its own newest checkpoint; they must be the same step.
+    All ranks agree iff mean(step^2) == mean(step)^2 (two all-reduces, no gather needed)."""
+    values = torch.tensor([step, step * step], dtype=torch.float64, device=plumbing.device)
+    mean, mean_square = plumbing.reduce(values, "mean").tolist()
+    if mean_square != mean * mean:
+        raise CheckpointError(f"processes resumed from different steps (this one: {step}); a node is missing its "
+                              f"newest checkpoint: pass --resume with the same checkpoint folder on every node")
 
 
 def _verify_manifest(folder: Path) -> None:

@@ -64,14 +64,17 @@ def train(cfg: TrainConfig, accelerator) -> int:
     `accelerator` is an accelerate.Accelerator, or torch_ddp.TorchDDP, which implements the members
     used here with plain torch.distributed: device, is_main_process, is_local_main_process,
     num_processes, process_index, prepare, accumulate, sync_gradients, backward, clip_grad_norm_,
-    reduce, gather_for_metrics, main_process_first, wait_for_everyone, unwrap_model, end_training,
+    reduce, gather_for_metrics, main_process_first, local_main_process_first, wait_for_everyone,
+    unwrap_model, end_training,
     and for trackers: init_trackers, log, trackers.
     """
     # ---------------------------------------------------------------- setup
     seed_everything(cfg.seed)  # the same model init on every rank
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     # ---------------------------------------------------------------- data
-    with accelerator.main_process_first():  # rank 0 fills the datasets cache, the others reuse it
+    # rank 0 fills the datasets cache and the others reuse it; on node-local disks, once per node
+    first = accelerator.main_process_first if cfg.shared_filesystem else accelerator.local_main_process_first
+    with first():
         train_set, eval_set = build_datasets(cfg)
     check_data_size(len(train_set), cfg, accelerator.num_processes)
     sampler = EpochSampler(len(train_set), cfg.seed)  # data order is ours: a function of (seed, epoch)

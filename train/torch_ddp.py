@@ -98,12 +98,17 @@ class TorchDDP:
         return kept
 
     @contextmanager
-    def main_process_first(self):
-        if not self.is_main_process:
-            self.wait_for_everyone()  # wait until rank 0 has filled the cache
-        yield
-        if self.is_main_process:
+    def main_process_first(self, first: bool | None = None):
+        """The body runs on `first` (default: rank 0) before every other process, e.g. to fill a cache."""
+        first = self.is_main_process if first is None else first
+        if not first:
             self.wait_for_everyone()
+        yield
+        if first:
+            self.wait_for_everyone()
+
+    def local_main_process_first(self):
+        return self.main_process_first(first=self.is_local_main_process)  # once per node
 
     def wait_for_everyone(self) -> None:
         if self.distributed:

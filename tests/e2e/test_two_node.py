@@ -1,0 +1,141 @@
+"""Two "nodes" on one machine: two launchers with machine ranks 0 and 1 on 127.0.0.1, 2 CPU processes each.
+
+Compared with one launcher of 4 processes at the same global batch: the same losses, one metrics.jsonl,
+one set of checkpoints. Also: a node that dies mid-run, and a launch whose world size does not add up.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import (CPU_CONFIG, MAIN, REPO, TORCH_DDP, Run, base_env, free_port, launch_accelerate,
+                      read_metrics, tiny_args)
+
+pytestmark = pytest.mark.slow
+
+TWO_NODE = REPO / "accelerate_configs" / "2node.yaml"
+STEPS = dict(max_steps=8, save_every=4, eval_every=8, dist_timeout_s=30)
+
+
+def two_node_args(output_dir, corpus, **overrides):
+    return [str(a) for a in tiny_args(output_dir, corpus, **{**STEPS, **overrides})]
+
+
+def accelerate_node(rank, port, args):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(TWO_NODE),
+            "--num_processes", "4", "--num_machines", "2", "--machine_rank", str(rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
+            str(MAIN), *args]
+
+
+def torchrun_node(rank, port, args):
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+            "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+            "--rdzv_id", "two-node-test", str(TORCH_DDP), *args]
+
+
+def start(cmd, tmp_path):
+    return subprocess.Popen(cmd, cwd=REPO, env=base_env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(procs, timeout=240):
+    deadline, outputs = time.time() + timeout, []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail("a node did not finish in time")
+        outputs.append(out)
+    return outputs
+
+
+def kill_node(launcher):
+    """SIGKILL a launcher and its workers at once, as a node failure would. (torchrun starts each worker
+    in its own session: killing the launcher's process group alone leaves them training as orphans.)"""
+    workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(launcher.pid)], capture_output=True, text=True)
+    for pid in [launcher.pid, *map(int, workers.stdout.split())]:
+        os.kill(pid, signal.SIGKILL)
+
+
+def run_two_nodes(make_cmd, args, tmp_path):
+    port = free_port()
+    outputs = finish([start(make_cmd(rank, port, args), tmp_path) for rank in (0, 1)])
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory, corpus):
+    """The reference: one launcher, 4 processes, the same global batch."""
+    out = tmp_path_factory.mktemp("four") / "run"
+    return launch_accelerate(two_node_args(out, corpus), out.parent, num_processes=4).check()
+
+
+def assert_same_run(output_dir, reference):
+    losses = {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
+    assert sorted(losses) == list(range(1, 9))
+    for step, loss in reference.losses().items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_two_accelerate_launchers_make_one_world(tmp_path, corpus, four_processes):
+    out = tmp_path / "run"
+    outputs = run_two_nodes(accelerate_node, two_node_args(out, corpus), tmp_path)
+    for rank, text in enumerate(outputs):
+        assert "Traceback" not in text, f"node {rank}:\n{text[-3000:]}"
+    assert '"processes": 4' in (out / "run_info.json").read_text()
+    assert_same_run(out, four_processes)
+    latest = out / "checkpoints" / "step_00000008"
+    assert sorted(p.name for p in latest.glob("rng_rank*.pt")) == [f"rng_rank{r}.pt" for r in range(4)]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+
+
+def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, corpus, four_processes):
+    out = tmp_path / "run"
+    outputs = run_two_nodes(torchrun_node, two_node_args(out, corpus), tmp_path)
+    for rank, text in enumerate(outputs):
+        assert "Traceback" not in text, f"node {rank}:\n{text[-3000:]}"
+    assert_same_run(out, four_processes)  # the torch path on 2 nodes matches Accelerate on 1
+
+
+def test_a_dead_node_stops_the_other_in_bounded_time_and_both_resume(tmp_path, corpus, four_processes):
+    out = tmp_path / "run"
+    args = two_node_args(out, corpus)
+    port = free_port()
+    node0, node1 = (start(accelerate_node(rank, port, args), tmp_path) for rank in (0, 1))
+    deadline = time.time() + 180
+    while time.time() < deadline and not (out / "checkpoints" / "step_00000004" / "manifest.json").exists():
+        time.sleep(0.1)
+    kill_node(node1)
+    killed = time.time()
+    finish([node0], timeout=90)
+    assert node0.returncode != 0
+    assert time.time() - killed < 60  # an error, well inside dist_timeout_s + start-up, not a hang
+    node1.communicate()
+    outputs = run_two_nodes(accelerate_node, [*args, "--resume", "latest"], tmp_path)
+    assert "resume: " in outputs[0], outputs[0][-3000:]
+    assert_same_run(out, four_processes)
+
+
+def test_a_world_that_does_not_add_up_stops_at_once(tmp_path, corpus):
+    """The measured pitfall: an Accelerator built without cpu=True on a machine without a GPU leaves
+    every launched process believing it is rank 0 of 1. The start-up guard must stop them all."""
+    wrapper = tmp_path / "no_cpu_flag.py"
+    wrapper.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'train')!r})\n"
+        "import accelerate, main\n"
+        "Original = accelerate.Accelerator\n"
+        "accelerate.Accelerator = lambda **kw: Original(**{**kw, 'cpu': False})\n"
+        "main.main()\n")
+    out = tmp_path / "run"
+    result = launch_accelerate(two_node_args(out, corpus), tmp_path, script=wrapper)
+    assert result.returncode != 0
+    assert "the launcher started 2 processes but this one sees a world of 1" in result.output, result.tail()
+    assert not (out / "metrics.jsonl").exists()
+    assert isinstance(result, Run) and CPU_CONFIG.exists()
