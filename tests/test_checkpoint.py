@@ -60,11 +60,11 @@ def test_round_trip_restores_weights_optimizer_rng_and_state(tmp_path):
     torch.manual_seed(0)
     restored = load_checkpoint(OneProcess(), cfg, path, fresh_model, fresh_optimizer)
     assert restored == state
-    for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert fresh_model.lm_head.weight is fresh_model.wte.weight  # still tied after loading
     exp_avg = lambda opt: [s["exp_avg"] for s in opt.state_dict()["state"].values()]  # noqa: E731
-    assert all(torch.equal(a, b) for a, b in zip(exp_avg(optimizer), exp_avg(fresh_optimizer)))
+    assert all(torch.equal(a, b) for a, b in zip(exp_avg(optimizer), exp_avg(fresh_optimizer), strict=True))
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
 
 

@@ -6,11 +6,11 @@ import os
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, run_python, write_corpus
 from torch.utils.data import DistributedSampler
 
 import data
 from config import ConfigError, TrainConfig
+from conftest import REPO, run_python, write_corpus
 
 
 def cfg_for(dataset, **kw):

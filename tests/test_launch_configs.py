@@ -2,6 +2,7 @@
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
+
 from conftest import REPO
 
 CONFIGS = REPO / "accelerate_configs"

@@ -18,7 +18,7 @@ def test_warmup_peak_and_cosine_end():
     assert lr_at(60, cfg) == pytest.approx(0.55)  # half-way through the cosine
     assert lr_at(110, cfg) == pytest.approx(0.1)
     values = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
 
 
 def test_no_warmup():

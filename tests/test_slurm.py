@@ -5,6 +5,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 
 SLURM = REPO / "scripts" / "slurm"

@@ -21,8 +21,15 @@ from datetime import timedelta
 import torch
 from torch.utils.data import DataLoader
 
-from checkpoint import (CheckpointError, Preemption, TrainState, export_model, latest_checkpoint,
-                        load_checkpoint, save_checkpoint)
+from checkpoint import (
+    CheckpointError,
+    Preemption,
+    TrainState,
+    export_model,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from config import ConfigError, TrainConfig, load_config
 from data import EpochSampler, build_datasets, collate
 from model import build_model, causal_lm_loss

@@ -9,11 +9,10 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_model
-from conftest import (FAULTY_MAIN, REPO, launch_accelerate, read_metrics, run_python, tiny_args,
-                      write_corpus)
 
 import data
 from config import load_config
+from conftest import FAULTY_MAIN, REPO, launch_accelerate, read_metrics, run_python, tiny_args, write_corpus
 from main import evaluate
 from model import build_model
 
@@ -90,9 +89,9 @@ def test_one_and_two_processes_agree_at_the_same_global_batch(tmp_path, corpus):
 
 def test_default_corpus_under_the_launcher(tmp_path):
     """The offline default (python_stdlib) through the real launcher and the shipped tiny preset."""
-    run = launch_accelerate(["--config", REPO / "train/configs/tiny.yaml", "--output_dir", tmp_path / "run",
-                             "--max_steps", 6, "--warmup_steps", 2, "--eval_every", 6, "--save_every", 0, "--log_every", 2],
-                            tmp_path).check()
+    args = ["--config", REPO / "train/configs/tiny.yaml", "--output_dir", tmp_path / "run", "--max_steps", 6,
+            "--warmup_steps", 2, "--eval_every", 6, "--save_every", 0, "--log_every", 2]
+    run = launch_accelerate(args, tmp_path).check()
     assert [r["step"] for r in run.metrics() if "loss" in r] == [2, 4, 6]
     assert (tmp_path / "run" / "model.safetensors").exists()
 

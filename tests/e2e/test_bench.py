@@ -4,6 +4,7 @@ import json
 import sys
 
 import pytest
+
 from conftest import REPO, base_env, run
 
 pytestmark = pytest.mark.slow

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from conftest import TORCH_DDP, launch_accelerate, launch_torchrun, load_weights, run_python, tiny_args
 
 pytestmark = pytest.mark.slow

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import FAULTY_MAIN, REPO, base_env, launch_accelerate, read_metrics, run, run_python, tiny_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
@@ -54,7 +55,9 @@ def test_wandb_offline_two_processes_and_tensorboard(tmp_path, corpus):
 def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, corpus):
     out = tmp_path / "run"
     args = tiny_args(out, corpus, max_steps=10, log_every=1, eval_every=100, save_every=100, tracker="wandb")
-    launch_accelerate(args, tmp_path, script=FAULTY_MAIN, env_extra={"FAULT_STEP": 4, "FAULT_ONCE": tmp_path / "x"})
+    first_launch = launch_accelerate([*args, "--resume", "latest"], tmp_path, script=FAULTY_MAIN,
+                                     env_extra={"FAULT_STEP": 4, "FAULT_ONCE": tmp_path / "x"})
+    assert "resume: no checkpoint in" in first_launch.output and "starting fresh" in first_launch.output
     launch_accelerate([*args, "--resume", "latest"], tmp_path).check()
     first, second = (read_run(next(p.glob("run-*.wandb"))) for p in offline_runs(out))
     assert first["run_id"] == second["run_id"]  # offline, W&B writes a second folder with the same id

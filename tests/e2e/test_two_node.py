@@ -11,8 +11,19 @@ import sys
 import time
 
 import pytest
-from conftest import (CPU_CONFIG, MAIN, REPO, TORCH_DDP, Run, base_env, free_port, launch_accelerate,
-                      read_metrics, tiny_args)
+
+from conftest import (
+    CPU_CONFIG,
+    MAIN,
+    REPO,
+    TORCH_DDP,
+    Run,
+    base_env,
+    free_port,
+    launch_accelerate,
+    read_metrics,
+    tiny_args,
+)
 
 pytestmark = pytest.mark.slow
 
