@@ -51,7 +51,8 @@ def test_round_trip_restores_weights_optimizer_rng_and_state(tmp_path):
     expected_draw = torch.rand(3)
     assert path.name == "step_00000007" and latest_checkpoint(cfg.output_dir) == path
     manifest = json.loads((path / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "train_state.json"}
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "train_state.json",
+                                      "config.yaml"}
 
     _, fresh_model, fresh_optimizer = setup(tmp_path / "other")
     with torch.no_grad():

@@ -2,7 +2,7 @@
 
     <output_dir>/checkpoints/step_00000100/     a committed checkpoint (has manifest.json)
         model.safetensors   optimizer.pt   [scaler.pt]   rng_rank{r}.pt (one per process)
-        train_state.json    manifest.json  (written last: file names and sizes)
+        train_state.json    config.yaml (the resolved config)   manifest.json (last: file names and sizes)
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
     <output_dir>/model.safetensors              the exported model at the end of training
 
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
@@ -116,6 +117,7 @@ def write_shared_files(folder: Path, plumbing, cfg, model, optimizer, state: Tra
                    "grad_accum_steps": cfg.grad_accum_steps, "block_size": cfg.block_size,
                    "seed": cfg.seed, "dataset": cfg.dataset}
     _write_file(folder / "train_state.json", json.dumps(train_state, indent=2).encode())
+    _write_file(folder / "config.yaml", yaml.safe_dump(asdict(cfg), sort_keys=False).encode())  # provenance
 
 
 def ranks_on_this_node(world_size: int) -> range:
@@ -300,8 +302,9 @@ def set_rng_state(state: dict, source: Path) -> None:
 class Preemption:
     """SIGTERM (SLURM, Kubernetes) or SIGUSR1 (SLURM's --signal) asks for a checkpoint and a clean stop.
 
-    The handler only records the signal; the loop asks every rank at each step boundary, so all
-    ranks stop at the same step even when the signal reaches them at different moments.
+    The handler only records the signal; the loop asks every rank at each logging step (every
+    `log_every` steps, where it syncs with the GPU anyway), so all ranks stop at the same step even
+    when the signal reaches them at different moments.
     """
 
     EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
@@ -316,7 +319,7 @@ class Preemption:
 
     def requested(self, plumbing) -> bool:
         flag = torch.tensor(float(self.signal_name is not None), device=plumbing.device)
-        return plumbing.reduce(flag, "sum").item() > 0  # collective; a CPU-GPU sync once per step
+        return plumbing.reduce(flag, "sum").item() > 0  # collective, and a CPU-GPU sync
 
 
 # ---------------------------------------------------------------- export

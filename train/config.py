@@ -75,6 +75,7 @@ class TrainConfig:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a newer one is committed
     # ---- distributed
     dist_timeout_s: int = 1800  # collective timeout; raise it if one node prepares data much longer than others
+    find_unused_parameters: bool = False  # DDP: true only if some parameters get no gradient in a step (slower)
     shared_filesystem: bool = True  # output_dir and the HF cache are one filesystem all nodes see (NFS, Lustre);
     #                                 false: node-local disks, data prepared and checkpoints kept on every node
 

@@ -44,7 +44,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def build_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        GradientAccumulationPlugin,
+        InitProcessGroupKwargs,
+    )
 
     accelerator = Accelerator(
         # Measured: on a machine without a GPU, Accelerator() leaves every launched process believing it
@@ -57,7 +62,8 @@ def build_accelerator(cfg: TrainConfig):
         # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the host on each
         # batch: 1.08x the bare loop's step time on an H100 with it, 1.04x without (bench/throughput.py)
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s)),
+                         DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)],
         log_with=cfg.trackers() or None,  # started later, by MetricsLogger, on the main process only
         project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
     )
@@ -111,7 +117,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
     batches = micro_batches(train_loader, sampler, cfg, accelerator.num_processes, state)
     throughput = Throughput(global_batch, global_batch * cfg.block_size, flops_per_token(plain_model),
                             accelerator.num_processes, cfg.mixed_precision)
-    preemption = Preemption()  # SIGTERM / SIGUSR1: stop at the next step boundary, checkpoint, exit
+    preemption = Preemption()  # SIGTERM / SIGUSR1: stop at the next logging step, checkpoint, exit
     # ---------------------------------------------------------------- loop
     model.train()
     while state.step < cfg.max_steps:
@@ -130,16 +136,16 @@ def train(cfg: TrainConfig, accelerator) -> int:
         state.samples_seen += global_batch
         state.tokens_seen += global_batch * cfg.block_size
         throughput.step()
-        is_last = state.step == cfg.max_steps
-        if state.step % cfg.log_every == 0 or is_last:
+        is_last, stopping = state.step == cfg.max_steps, False
+        if state.step % cfg.log_every == 0 or is_last:  # the loop waits for the GPU here only, so it can run ahead
             mean_loss = accelerator.reduce(step_loss, "mean").item()  # over micro-steps, then over ranks
             log.log(state.step, {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "epoch": state.epoch,
                                  "tokens_seen": state.tokens_seen, **throughput.report()})
+            stopping = preemption.requested(accelerator)  # collective: every rank stops at the same step
         log.advance()
         if state.step % cfg.eval_every == 0 or is_last:
             eval_loss = evaluate(model, eval_loader, accelerator)
             log.log(state.step, {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))})
-        stopping = preemption.requested(accelerator)  # collective: every rank stops at the same step
         if (cfg.save_every and state.step % cfg.save_every == 0) or is_last or stopping:
             path = save_checkpoint(accelerator, cfg, model, optimizer, state)
             log.info(f"checkpoint: {path}")

@@ -58,7 +58,8 @@ class TorchDDP:
     def prepare(self, model, optimizer, train_loader, eval_loader):
         model = model.to(self.device)
         if self.distributed:  # broadcasts rank 0's weights, then all-reduces gradients in backward
-            model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                        find_unused_parameters=self.cfg.find_unused_parameters)
         if self.cfg.mixed_precision == "bf16":  # what Accelerate does: autocast around forward
             model.forward = _autocast(model.forward, self.device.type)
         return (model, optimizer, ShardedLoader(train_loader, self, train=True),

@@ -47,7 +47,8 @@ def test_keep_last_and_layout_of_the_baseline(baseline):
     root = baseline.output_dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_00000016", "step_00000024"]  # keep_last 2 of 8/16/24
     files = json.loads((root / "step_00000024" / "manifest.json").read_text())["files"]
-    assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "train_state.json"} == set(files)
+    assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "train_state.json",
+            "config.yaml"} == set(files)
     state = json.loads((root / "step_00000024" / "train_state.json").read_text())
     assert (state["step"], state["world_size"], state["samples_seen"]) == (24, 2, 24 * 16)
 

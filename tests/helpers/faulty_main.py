@@ -1,7 +1,7 @@
 """train/main.py with faults injected from outside the shipped code (used by the end-to-end tests).
 
 Environment variables, each optional, read once at start-up:
-    FAULT_STEP=k          act when step k completes (the k-th step boundary of this process)
+    FAULT_STEP=k          act at the k-th logging step of this process (step k with --log_every 1)
     FAULT_RANK=r          only on global rank r (default: every rank)
     FAULT_ACTION=sigterm  send SIGTERM to this process (a preemption: checkpoint and exit)
                  sigusr1  send SIGUSR1 (SLURM's advance warning with --signal)
