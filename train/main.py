@@ -60,7 +60,7 @@ def build_accelerator(cfg: TrainConfig):
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum_steps,
                                                                 sync_with_dataloader=False),
         # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the host on each
-        # batch: 1.08x the bare loop's step time on an H100 with it, 1.04x without (bench/throughput.py)
+        # batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with it)
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s)),
                          DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)],

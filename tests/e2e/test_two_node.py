@@ -150,3 +150,23 @@ def test_a_world_that_does_not_add_up_stops_at_once(tmp_path, corpus):
     assert "the launcher started 2 processes but this one sees a world of 1" in result.output, result.tail()
     assert not (out / "metrics.jsonl").exists()
     assert isinstance(result, Run) and CPU_CONFIG.exists()
+
+
+def test_node_local_disks_keep_a_checkpoint_copy_per_node_and_resume(tmp_path, corpus, four_processes):
+    """--shared_filesystem false: each node's local main process commits a full copy on its own disk
+    (here: a separate folder per node), holding its own ranks' RNG files; both resume from them."""
+    port = free_port()
+    disks = [tmp_path / "node0", tmp_path / "node1"]
+    args = [two_node_args(disk, corpus, shared_filesystem="false") for disk in disks]
+    finish([start(accelerate_node(rank, port, args[rank]), tmp_path) for rank in (0, 1)])
+    for rank, disk in enumerate(disks):
+        latest = disk / "checkpoints" / "step_00000008"
+        mine = [f"rng_rank{r}.pt" for r in (2 * rank, 2 * rank + 1)]
+        assert sorted(p.name for p in latest.glob("rng_rank*.pt")) == mine
+        assert (latest / "model.safetensors").exists() and (latest / "manifest.json").exists()
+    assert_same_run(disks[0], four_processes)  # metrics.jsonl: written on node 0
+    assert not (disks[1] / "metrics.jsonl").exists()
+    port = free_port()
+    outputs = finish([start(accelerate_node(rank, port, [*args[rank], "--resume", "latest"]), tmp_path)
+                      for rank in (0, 1)])
+    assert "resume: " in outputs[0] and "(step 8)" in outputs[0], outputs[0][-3000:]
