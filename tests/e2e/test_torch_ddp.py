@@ -50,3 +50,16 @@ def test_resume_from_its_own_checkpoint_is_exact(tmp_path, corpus):
     assert resumed.losses() == {s: v for s, v in reference.losses().items() if s > 10}
     wa, wb = load_weights(tmp_path / "ref/model.safetensors"), load_weights(tmp_path / "run/model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_accelerate_checkpoint_resumes_on_the_torch_path(tmp_path, corpus, baseline):
+    """One checkpoint format for both plumbings. Not bitwise (with dropout, the two paths put a global
+    batch's samples on different ranks, so the per-rank dropout masks differ), but close."""
+    from conftest import baseline_args
+
+    checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
+    resumed = launch_torchrun([*baseline_args(tmp_path / "run", corpus), "--resume", checkpoint], tmp_path).check()
+    assert "(step 16)" in resumed.output
+    losses, reference = resumed.losses(), baseline.losses()
+    assert sorted(losses) == list(range(17, 25))
+    assert losses[17] == pytest.approx(reference[17], rel=0.05)
