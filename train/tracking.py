@@ -64,17 +64,20 @@ class MetricsLogger:
             return
         project = os.environ.get("WANDB_PROJECT") or self.cfg.project
         init_kwargs = {"wandb": wandb_init_kwargs(self.cfg, run_id)}
-        try:
-            self.plumbing.init_trackers(project, config=to_dict(self.cfg), init_kwargs=init_kwargs)
-        except Exception as e:  # no API key, no network, server down: training goes on
-            if "wandb" not in names:
-                raise
-            self.warn(f"W&B could not start ({_first_line(e)}); logging to W&B offline instead")
-            started = [t for t in self.plumbing.trackers if t.name != "wandb"]  # W&B's own init is what failed
-            self.plumbing.trackers[:] = started
-            finish_trackers(self.plumbing)
-            init_kwargs["wandb"]["mode"] = "offline"
-            self.plumbing.init_trackers(project, config=to_dict(self.cfg), init_kwargs=init_kwargs)
+        for fallback in (False, True):
+            try:
+                self.plumbing.init_trackers(project, config=to_dict(self.cfg), init_kwargs=init_kwargs)
+                break
+            except Exception as e:  # no API key, no network, server down: training goes on
+                if "wandb" not in names:
+                    raise
+                finish_trackers(self.plumbing)
+                import wandb
+
+                wandb.teardown()  # the failed run still holds its id in W&B's service process
+                then = "trackers off (metrics.jsonl goes on)" if fallback else "logging to W&B offline instead"
+                self.warn(f"W&B could not start ({_first_line(e)}); {then}")
+                init_kwargs["wandb"]["mode"] = "offline"
         wandb_run = next((t.tracker for t in self.plumbing.trackers if t.name == "wandb"), None)
         if wandb_run is not None and wandb_run.settings.mode == "offline":
             self.info(f"W&B is offline: upload this run later with `wandb sync {wandb_run.dir.rsplit('/', 1)[0]}`")
@@ -145,7 +148,10 @@ def new_run_id() -> str:
 
 def finish_trackers(plumbing) -> None:
     for tracker in plumbing.trackers:
-        tracker.finish()
+        try:
+            tracker.finish()
+        except Exception:  # a tracker whose start failed has nothing to finish
+            pass
     plumbing.trackers.clear()
 
 

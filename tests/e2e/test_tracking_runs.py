@@ -1,6 +1,7 @@
 """Trackers end to end: W&B offline from 2 processes, run continuity on resume, TensorBoard, fallbacks, plots."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,19 @@ def test_wandb_without_credentials_falls_back_to_offline_and_trains(tmp_path, co
                                   tracker="wandb"), tmp_path, env_extra=env, timeout=180).check()
     assert "warning: W&B could not start" in result.output and "offline instead" in result.output
     assert len(offline_runs(out)) == 1 and (out / "model.safetensors").exists()
+
+
+def test_an_unreachable_wandb_server_costs_the_init_timeout_then_goes_offline(tmp_path, corpus):
+    out = tmp_path / "run"
+    env = {"WANDB_MODE": "online", "HOME": tmp_path, "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567",
+           "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_INIT_TIMEOUT": 5}  # port 9: nothing listens
+    started = time.time()
+    result = run_python(tiny_args(out, corpus, max_steps=4, warmup_steps=1, save_every=0, eval_every=4,
+                                  tracker="wandb"), tmp_path, env_extra=env, timeout=180).check()
+    assert time.time() - started < 90
+    assert "warning: W&B could not start" in result.output and "offline instead" in result.output
+    [offline] = offline_runs(out)
+    assert read_run(next(offline.glob("run-*.wandb")))["exit_code"] == 0
 
 
 def test_plot_helper_writes_a_png(tmp_path, baseline):
