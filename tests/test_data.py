@@ -10,7 +10,7 @@ from torch.utils.data import DistributedSampler
 
 import data
 from config import ConfigError, TrainConfig
-from conftest import REPO, run_python, write_corpus
+from conftest import REPO, SESSION_HF_HOME, run_python, write_corpus
 
 
 def cfg_for(dataset, **kw):
@@ -144,3 +144,14 @@ def test_global_batches_match_distributed_sampler(world, batch):
         per_rank.append([indices[i:i + batch] for i in range(0, len(indices) - batch + 1, batch)])
     torch_style = [set().union(*(per_rank[r][k] for r in range(world))) for k in range(len(per_rank[0]))]
     assert torch_style == accelerate_style
+
+
+def test_prepare_script_fills_the_cache_a_run_then_reuses(tmp_path):
+    path = write_corpus(tmp_path / "c.jsonl")
+    result = run_python(["--dataset", path, "--block_size", 16], tmp_path, script=REPO / "data" / "prepare.py",
+                        timeout=120).check()
+    assert "train and" in result.output and "cached for training" in result.output
+    before = set(SESSION_HF_HOME.rglob("*.arrow"))
+    train, _ = data.build_datasets(cfg_for(path))
+    assert set(SESSION_HF_HOME.rglob("*.arrow")) == before  # the run packed nothing new: it reused the cache
+    assert {f["filename"] for f in train.cache_files} <= {str(p) for p in before}
