@@ -3,7 +3,7 @@
 import pytest
 
 from config import ConfigError, TrainConfig, load_config
-from conftest import MAIN, REPO, TINY, run_python
+from conftest import REPO, run_python
 
 
 def test_defaults_yaml_then_cli_precedence(tmp_path):
@@ -86,4 +86,3 @@ def test_help_lists_every_key_with_its_comment(tmp_path):
     for key in ("--grad_accum_steps", "--mixed_precision", "--keep_last"):
         assert key in result.output
     assert "micro-steps per optimizer step" in result.output
-    assert str(MAIN) and TINY.exists()

@@ -36,6 +36,8 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
+from config import first_line
+
 STEP_PREFIX = "step_"
 
 
@@ -257,8 +259,7 @@ def _load_tensors(path: Path, map_location):
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{path} refused: not a plain tensor file ({first_line})") from None
+        raise CheckpointError(f"{path} refused: not a plain tensor file ({first_line(e)})") from None
 
 
 def _read_json(path: Path) -> dict:

@@ -30,6 +30,11 @@ class ConfigError(ValueError):
     """A bad config value; the message is one line that names the key."""
 
 
+def first_line(error: Exception) -> str:
+    """An exception's message cut to its first line, so errors we pass on stay one line."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
 @dataclass
 class TrainConfig:
     # ---- run

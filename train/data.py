@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from config import DATA_FILE_SUFFIXES, ConfigError
+from config import DATA_FILE_SUFFIXES, ConfigError, first_line
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the repo's data/ folder
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -78,9 +78,8 @@ def load_text(cfg):
             splits = datasets.load_dataset(source, cfg.dataset_config or None)
         except Exception as e:  # offline, unknown name, no access: all the same to the user
             offline = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if _offline() else ""
-            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"dataset '{source}' could not be loaded from the hub{offline}: "
-                              f"{first_line}") from None
+                              f"{first_line(e)}") from None
     if cfg.text_column not in splits["train"].column_names:
         raise ConfigError(f"text_column '{cfg.text_column}' is not a column of '{cfg.dataset}' "
                           f"(columns: {', '.join(splits['train'].column_names)})")

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
-from config import TrainConfig, to_dict
+from config import TrainConfig, first_line, to_dict
 
 PREEMPTED_MARKER = "preempted.json"
 
@@ -76,7 +76,7 @@ class MetricsLogger:
 
                 wandb.teardown()  # the failed run still holds its id in W&B's service process
                 then = "trackers off (metrics.jsonl goes on)" if fallback else "logging to W&B offline instead"
-                self.warn(f"W&B could not start ({_first_line(e)}); {then}")
+                self.warn(f"W&B could not start ({first_line(e)}); {then}")
                 init_kwargs["wandb"]["mode"] = "offline"
         wandb_run = next((t.tracker for t in self.plumbing.trackers if t.name == "wandb"), None)
         if wandb_run is not None and wandb_run.settings.mode == "offline":
@@ -112,7 +112,7 @@ class MetricsLogger:
                 self.plumbing.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
             except Exception as e:  # a tracker's trouble never stops training
                 self.tracker_failed = True
-                self.warn(f"tracker logging failed ({_first_line(e)}); metrics.jsonl continues, trackers stop")
+                self.warn(f"tracker logging failed ({first_line(e)}); metrics.jsonl continues, trackers stop")
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -208,10 +208,6 @@ def flops_per_token(model) -> float:
     if hasattr(model, "flops_per_token"):
         return model.flops_per_token()
     return 6 * sum(p.numel() for p in model.parameters())
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def _read_lines(path: Path) -> list[str]:

@@ -13,11 +13,9 @@ import time
 import pytest
 
 from conftest import (
-    CPU_CONFIG,
     MAIN,
     REPO,
     TORCH_DDP,
-    Run,
     base_env,
     free_port,
     launch_accelerate,
@@ -149,7 +147,6 @@ def test_a_world_that_does_not_add_up_stops_at_once(tmp_path, corpus):
     assert result.returncode != 0
     assert "the launcher started 2 processes but this one sees a world of 1" in result.output, result.tail()
     assert not (out / "metrics.jsonl").exists()
-    assert isinstance(result, Run) and CPU_CONFIG.exists()
 
 
 def test_node_local_disks_keep_a_checkpoint_copy_per_node_and_resume(tmp_path, corpus, four_processes):
