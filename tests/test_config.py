@@ -81,6 +81,15 @@ def test_entry_point_prints_one_line_exits_2_and_writes_nothing(tmp_path, argv, 
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
 
+def test_an_error_seen_only_by_another_rank_is_still_printed(tmp_path):
+    """Ranks other than 0 hold their error back (the launcher usually kills them once rank 0 has said
+    it); one that is not killed, because the error is its own, must still say it."""
+    result = run_python(["--lr", "-1", "--output_dir", tmp_path / "run"], tmp_path, timeout=60,
+                        env_extra={"RANK": 1})
+    assert result.returncode == 2, result.tail()
+    assert result.output.strip() == "error: lr must be > 0 (got -1.0)"
+
+
 def test_help_lists_every_key_with_its_comment(tmp_path):
     result = run_python(["--help"], tmp_path, timeout=60).check()
     for key in ("--grad_accum_steps", "--mixed_precision", "--keep_last"):

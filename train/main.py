@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -34,6 +36,9 @@ from config import ConfigError, TrainConfig, load_config
 from data import EpochSampler, build_datasets, collate
 from model import build_model, causal_lm_loss
 from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id
+
+# Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the rest.
+OTHER_RANKS_ERROR_DELAY_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,8 +283,16 @@ def run_or_exit(train_fn, cfg, plumbing) -> None:
 
 
 def exit_with_error(error: Exception) -> None:
-    if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
-        print(f"error: {error}", file=sys.stderr)  # noqa: T201
+    """Print `error: ...` and exit 2, once per job rather than once per rank.
+
+    Usually every rank hits the same error, and the launcher kills the other ranks the moment one
+    exits. So rank 0 speaks at once and the others wait first: if rank 0 failed too they are killed
+    before they repeat it, and an error that is theirs alone (a file missing on one node) still shows.
+    """
+    if os.environ.get("RANK", "0") != "0":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's kill is not a preemption here
+        time.sleep(OTHER_RANKS_ERROR_DELAY_S)
+    print(f"error: {error}", file=sys.stderr)  # noqa: T201
     sys.exit(2)
 
 
