@@ -118,7 +118,7 @@ def test_a_malicious_pickle_is_refused_and_does_not_run(tmp_path, name):
     cfg, model, optimizer = setup(tmp_path)
     path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
     sentinel = tmp_path / "SENTINEL"
-    (path / name).write_bytes(pickle.dumps(Payload(sentinel)))
+    (path / name).write_bytes(pickle.dumps(Payload(sentinel), protocol=2))
     manifest = json.loads((path / "manifest.json").read_text())  # a forger rewrites the manifest too
     manifest["files"][name] = (path / name).stat().st_size
     (path / "manifest.json").write_text(json.dumps(manifest))
