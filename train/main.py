@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
@@ -146,6 +147,8 @@ def train(cfg: TrainConfig, accelerator) -> int:
             mean_loss = accelerator.reduce(step_loss, "mean").item()  # over micro-steps, then over ranks
             log.log(state.step, {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "epoch": state.epoch,
                                  "tokens_seen": state.tokens_seen, **throughput.report()})
+            if not math.isfinite(mean_loss):  # the same reduced value on every rank: all stop here
+                raise TrainingDiverged(state.step, mean_loss, latest_checkpoint(cfg.output_dir))
             stopping = preemption.requested(accelerator)  # collective: every rank stops at the same step
         log.advance()
         if state.step % cfg.eval_every == 0 or is_last:
@@ -274,10 +277,19 @@ def load_config_or_exit(argv) -> TrainConfig:
         exit_with_error(e)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss went nan or inf. Stop: going on would only save broken weights over the good checkpoints."""
+
+    def __init__(self, step: int, loss: float, last_checkpoint: Path | None):
+        where = f"resume from {last_checkpoint}" if last_checkpoint else "no checkpoint was saved; start again"
+        super().__init__(f"loss is {loss} at step {step}: training diverged; {where} "
+                         f"with a lower lr or more warmup_steps")
+
+
 def run_or_exit(train_fn, cfg, plumbing) -> None:
     try:
         code = train_fn(cfg, plumbing)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, TrainingDiverged) as e:
         exit_with_error(e)
     sys.exit(code)
 

@@ -89,6 +89,8 @@ class MetricsLogger:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.metrics_file.write(json.dumps(row) + "\n")
         self._to_trackers(row, step)
+        if self.bar is not None and row.get("loss") is not None:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
         self.info(" | ".join([f"step {step}/{self.cfg.max_steps}"] + [_fmt(k, v) for k, v in row.items()
                                                                       if k != "step"]))
 
@@ -100,11 +102,9 @@ class MetricsLogger:
             (self.output_dir / PREEMPTED_MARKER).write_text(json.dumps(record) + "\n")
         self.info(f"stopping at step {step} on {signal_name}: resume with --resume latest")
 
-    def advance(self, loss: float | None = None) -> None:
+    def advance(self) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            if loss is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
     def _to_trackers(self, row: dict, step: int) -> None:
         if self.plumbing.trackers and not self.tracker_failed:

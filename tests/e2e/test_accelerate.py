@@ -114,6 +114,21 @@ def test_dataset_too_small_for_one_step(tmp_path):
     assert not out.exists()
 
 
+def test_a_diverged_loss_stops_the_run_before_it_saves_broken_weights(tmp_path, corpus):
+    run_dir = tmp_path / "run"
+    run = launch_accelerate(tiny_args(run_dir, corpus, max_steps=12, save_every=4), tmp_path, script=FAULTY_MAIN,
+                            env_extra={"FAULT_NAN_STEP": 6, "FAULT_RANK": 1})  # one rank's loss: the mean is nan
+    assert run.returncode != 0
+    errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: loss is nan at step 6: training diverged; resume from "
+                      f"{run_dir / 'checkpoints' / 'step_00000004'} with a lower lr or more warmup_steps"], run.tail()
+    losses = run.losses()
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(losses[step]) for step in range(1, 6)) and losses[6] is None  # JSON has no nan
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000004"]
+    assert not (run_dir / "model.safetensors").exists()
+
+
 FORK_MODEL = '''
 def build_model(cfg) -> nn.Module:
     """A fork's own model: a bigram table (an MLP over the previous byte), HF-style outputs."""

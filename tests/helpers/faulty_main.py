@@ -10,6 +10,7 @@ Environment variables, each optional, read once at start-up:
                           after_model | after_shared | before_publish
     FAULT_SAVE_NUMBER=n   ... inside the n-th save of this process (default 1)
     FAULT_ONCE=path       only if this file does not exist yet (it is created): a relaunch runs clean
+    FAULT_NAN_STEP=k      from optimizer step k on, the training loss is nan (a diverged run)
     RECORD_SAMPLES=dir    each rank writes the train sample indices it drew to dir/rank{r}.json
 """
 
@@ -87,6 +88,28 @@ def inject_save_fault(point: str, save_number: int) -> None:
         checkpoint._publish = publish
 
 
+def inject_nan_loss(step: int) -> None:
+    original_build = main.build_model
+
+    def build_model(cfg):
+        model = original_build(cfg)
+        if armed():
+            first_bad_call = (step - 1) * cfg.grad_accum_steps + 1
+            calls = {"n": 0}
+
+            def poison(module, args, output):
+                if module.training:
+                    calls["n"] += 1
+                    if calls["n"] >= first_bad_call:
+                        output.loss = output.loss * float("nan")
+                return output
+
+            model.register_forward_hook(poison)
+        return model
+
+    main.build_model = build_model
+
+
 def record_samples(folder: str) -> None:
     """Wrap the train dataset so each rank records the indices it actually loaded and trained on."""
     import torch
@@ -124,6 +147,8 @@ if __name__ == "__main__":
         inject_step_fault(int(os.environ["FAULT_STEP"]), os.environ.get("FAULT_ACTION", "sigterm"))
     if "FAULT_SAVE_AT" in os.environ:
         inject_save_fault(os.environ["FAULT_SAVE_AT"], int(os.environ.get("FAULT_SAVE_NUMBER", "1")))
+    if "FAULT_NAN_STEP" in os.environ:
+        inject_nan_loss(int(os.environ["FAULT_NAN_STEP"]))
     if "RECORD_SAMPLES" in os.environ:
         record_samples(os.environ["RECORD_SAMPLES"])
     main.main()
