@@ -127,6 +127,12 @@ def test_a_diverged_loss_stops_the_run_before_it_saves_broken_weights(tmp_path, 
     assert all(math.isfinite(losses[step]) for step in range(1, 6)) and losses[6] is None  # JSON has no nan
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000004"]
     assert not (run_dir / "model.safetensors").exists()
+    # the advice works: resume from step 4 with a lower lr and more warmup
+    resumed = launch_accelerate([*tiny_args(run_dir, corpus, max_steps=12, save_every=4, lr=1e-3, warmup_steps=8),
+                                 "--resume", "latest"], tmp_path).check()
+    assert "(step 4)" in resumed.output
+    assert sorted(resumed.losses()) == list(range(1, 13)) and all(resumed.losses().values())
+    assert (run_dir / "model.safetensors").exists()
 
 
 FORK_MODEL = '''
