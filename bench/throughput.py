@@ -120,8 +120,8 @@ def bare_loop(cfg, timed) -> list[float]:
     from torch.utils.data import DataLoader
 
     from data import EpochSampler, build_datasets, collate
-    from main import build_optimizer
     from model import build_model
+    from optim import build_optimizer
 
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

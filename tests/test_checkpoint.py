@@ -10,8 +10,8 @@ import torch
 import checkpoint
 from checkpoint import CheckpointError, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from config import TrainConfig
-from main import build_optimizer
 from model import build_model
+from optim import build_optimizer
 
 
 class OneProcess:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from config import TrainConfig
-from main import build_optimizer, lr_at
 from model import build_model
+from optim import build_optimizer, lr_at
 
 
 def test_warmup_peak_and_cosine_end():

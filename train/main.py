@@ -36,6 +36,7 @@ from checkpoint import (
 from config import ConfigError, TrainConfig, load_config
 from data import EpochSampler, build_datasets, collate
 from model import build_model, causal_lm_loss
+from optim import build_optimizer, lr_at, set_lr
 from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id
 
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the rest.
@@ -203,30 +204,6 @@ def evaluate(model, eval_loader, accelerator) -> float:
         losses.append(accelerator.gather_for_metrics(per_sample))
     model.train()
     return torch.cat(losses).mean().item()
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices and embeddings decay, biases and norm weights (1-D tensors) do not."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    fused = torch.cuda.is_available()  # one kernel per step instead of one per tensor
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at max_steps. A pure function of the
-    step, so both plumbings and a resumed run agree (no scheduler object to step or to checkpoint)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (cfg.lr - cfg.min_lr)
-
-
-def set_lr(optimizer, lr: float) -> float:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
 
 
 def resume_or_start(cfg, accelerator, model, optimizer, log) -> TrainState:

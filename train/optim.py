@@ -1,0 +1,38 @@
+"""The optimizer and the learning-rate schedule, shared by both plumbings.
+
+A fork changes the optimizer in build_optimizer and the schedule in lr_at. The loop calls
+set_lr(optimizer, lr_at(step, cfg)) before each optimizer step; checkpoints save the optimizer's
+state_dict, so its state must be tensors and plain values (it is read back with weights_only=True).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from config import TrainConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices and embeddings decay, biases and norm weights (1-D tensors) do not."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    fused = torch.cuda.is_available()  # one kernel per step instead of one per tensor
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at max_steps. A pure function of the
+    step, so both plumbings and a resumed run agree (no scheduler object to step or to checkpoint)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
