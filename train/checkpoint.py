@@ -2,9 +2,15 @@
 
     <output_dir>/checkpoints/step_00000100/     a committed checkpoint (has manifest.json)
         model.safetensors   optimizer.pt   [scaler.pt]   rng_rank{r}.pt (one per process)
-        train_state.json    config.yaml (the resolved config)   manifest.json (last: file names and sizes)
+        train_state.json    config.yaml (the resolved config)   manifest.json (last: names, sizes, xxh3 checksums)
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
     <output_dir>/model.safetensors              the exported model at the end of training
+
+A save is one transaction: tmp folder, every process writes its part, all processes vote, the manifest
+is written last, one rename publishes, then older checkpoints are pruned. A failure on any process is
+an error on every process (run_folder.collectively), never a rank left waiting at a barrier. Resume
+verifies sizes and checksums: `--resume latest` skips a damaged newest checkpoint with a warning, an
+explicit `--resume PATH` to a damaged one is an error.
 
 Who writes: with `shared_filesystem` (the default) the main process writes the shared files and
 commits; on node-local disks (`--shared_filesystem false`) each node's local main process does, so
@@ -25,24 +31,27 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
-import signal
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
-from config import first_line
+from config import ConfigError, first_line
+from job import collectively, is_writer
 
 STEP_PREFIX = "step_"
+COMMITTED_NAME = re.compile(r"step_\d{8}")  # not step_N.tmp (being written) nor step_N.stale (being replaced)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or resumed; the message is one line."""
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed (missing, damaged, or from another run): one line, exit 2."""
 
 
 @dataclass
@@ -62,10 +71,9 @@ def checkpoint_root(output_dir: str) -> Path:
 
 def committed_checkpoints(output_dir: str) -> list[Path]:
     """Complete checkpoints, oldest first. A folder without a manifest (a crash mid-save) is ignored."""
-    root = checkpoint_root(output_dir)
-    found = [p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp")
-             and (p / "manifest.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+    found = [p for p in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*")
+             if COMMITTED_NAME.fullmatch(p.name) and (p / "manifest.json").is_file()]
+    return sorted(found)  # zero-padded step numbers sort as text
 
 
 def latest_checkpoint(output_dir: str) -> Path | None:
@@ -76,39 +84,32 @@ def latest_checkpoint(output_dir: str) -> Path | None:
 # ---------------------------------------------------------------- save
 
 
-def save_checkpoint(plumbing, cfg, model, optimizer, state: TrainState) -> Path:
-    """Write, check every process succeeded, publish by rename, prune. Collective: call on all ranks."""
-    root = checkpoint_root(cfg.output_dir)
-    final = root / f"{STEP_PREFIX}{state.step:08d}"
+def save_checkpoint(plumbing, cfg, model, optimizer, state: TrainState, identity: dict) -> Path:
+    """Write, vote, publish by rename, prune. Collective: call on all ranks; a failure anywhere raises everywhere."""
+    final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{state.step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    writer = plumbing.is_main_process if cfg.shared_filesystem else plumbing.is_local_main_process
-    if writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    plumbing.wait_for_everyone()  # the folder exists before anyone writes into it
-    error = None
-    try:
+    writer = is_writer(plumbing, cfg)
+    collectively(plumbing, f"creating {tmp}", lambda: writer and _fresh_folder(tmp))
+
+    def write_parts():
         if writer:
-            write_shared_files(tmp, plumbing, cfg, model, optimizer, state)
+            write_shared_files(tmp, plumbing, cfg, model, optimizer, state, identity)
         _save_tensors(rng_state(), tmp / f"rng_rank{plumbing.process_index}.pt")
-    except OSError as e:
-        error = e
-    # a barrier cannot tell success from failure: count the processes that failed instead
-    failed = plumbing.reduce(torch.tensor(float(error is not None), device=plumbing.device), "sum")
-    if failed.item() > 0:
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-        where = f": {error}" if error else " on another process"
-        raise CheckpointError(f"saving the checkpoint of step {state.step} to {final} failed{where}")
-    if writer:
-        ranks = range(plumbing.num_processes) if cfg.shared_filesystem else ranks_on_this_node(plumbing.num_processes)
-        _publish(tmp, final, ranks, state.step)
-        prune_checkpoints(cfg.output_dir, cfg.keep_last)
-    plumbing.wait_for_everyone()  # nobody reads or resumes from a checkpoint before it is committed
+
+    collectively(plumbing, f"saving the checkpoint of step {state.step} to {tmp}", write_parts,
+                 on_failure=lambda: writer and shutil.rmtree(tmp, ignore_errors=True))
+    ranks = range(plumbing.num_processes) if cfg.shared_filesystem else ranks_on_this_node(plumbing.num_processes)
+    collectively(plumbing, f"committing {final}", lambda: writer and (_publish(tmp, final, ranks, state.step),
+                                                                      prune_checkpoints(cfg.output_dir, cfg.keep_last)))
     return final
 
 
-def write_shared_files(folder: Path, plumbing, cfg, model, optimizer, state: TrainState) -> None:
+def _fresh_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def write_shared_files(folder: Path, plumbing, cfg, model, optimizer, state: TrainState, identity: dict) -> None:
     """What one process writes for everyone: weights, optimizer, grad scaler, train state."""
     save_model(plumbing.unwrap_model(model, keep_torch_compile=False), str(folder / "model.safetensors"))
     _save_tensors(optimizer.state_dict(), folder / "optimizer.pt")
@@ -116,8 +117,7 @@ def write_shared_files(folder: Path, plumbing, cfg, model, optimizer, state: Tra
     if scaler is not None:
         _save_tensors(scaler.state_dict(), folder / "scaler.pt")
     train_state = {**asdict(state), "world_size": plumbing.num_processes, "batch_size": cfg.batch_size,
-                   "grad_accum_steps": cfg.grad_accum_steps, "block_size": cfg.block_size,
-                   "seed": cfg.seed, "dataset": cfg.dataset}
+                   "grad_accum_steps": cfg.grad_accum_steps, "block_size": cfg.block_size, **identity}
     _write_file(folder / "train_state.json", json.dumps(train_state, indent=2).encode())
     _write_file(folder / "config.yaml", yaml.safe_dump(asdict(cfg), sort_keys=False).encode())  # provenance
 
@@ -136,7 +136,7 @@ def _publish(tmp: Path, final: Path, ranks, step: int) -> None:
     if missing:
         raise CheckpointError(f"checkpoint of step {step} is missing {', '.join(missing)}: is output_dir on a "
                               f"filesystem every node sees? If not, pass --shared_filesystem false")
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    files = {p.name: {"bytes": p.stat().st_size, "xxh3_64": _digest(p)} for p in sorted(tmp.iterdir())}
     _write_file(tmp / "manifest.json", json.dumps({"step": step, "files": files}, indent=2).encode())
     if final.exists():  # the same step saved again (a resumed run): keep the old one until the swap
         stale = final.with_name(final.name + ".stale")
@@ -146,6 +146,17 @@ def _publish(tmp: Path, final: Path, ranks, step: int) -> None:
     else:
         os.replace(tmp, final)
     _fsync_dir(final.parent)
+
+
+def recover_interrupted_swap(output_dir: str) -> None:
+    """A crash between _publish's two renames leaves step_N.stale (the old committed copy) and no step_N:
+    put it back. Called by the writer at start-up, under the run folder's lock."""
+    for stale in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*.stale"):
+        final = stale.with_suffix("")
+        if final.exists():
+            shutil.rmtree(stale)
+        else:
+            os.replace(stale, final)
 
 
 def prune_checkpoints(output_dir: str, keep_last: int) -> None:
@@ -170,6 +181,14 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _digest(path: Path) -> str:
+    digest = xxhash.xxh3_64()  # ~10 GB/s: checksumming costs far less than writing
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -181,15 +200,74 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------- load
 
 
-def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer) -> TrainState:
+def resume_or_start(plumbing, cfg, model, optimizer, identity: dict, log) -> TrainState:
+    """Restore the checkpoint that --resume names (or the newest intact one), or start at step 0
+    (from --init_from's weights if given). Collective; any refusal is an error on every process."""
+    writer = is_writer(plumbing, cfg)
+    collectively(plumbing, "recovering checkpoints", lambda: writer and recover_interrupted_swap(cfg.output_dir))
+    if not cfg.resume and latest_checkpoint(cfg.output_dir) is not None:
+        raise ConfigError(f"output_dir '{cfg.output_dir}' already holds checkpoints; pass --resume latest to "
+                          f"continue that run, or choose another output_dir")
+    folder = collectively(plumbing, "choosing the checkpoint", lambda: checkpoint_to_resume(cfg, log.warn),
+                          CheckpointError)
+    if folder is None:
+        if cfg.resume:
+            log.info(f"resume: no intact checkpoint in {cfg.output_dir} yet, starting fresh")
+        if cfg.init_from:
+            source = collectively(plumbing, "init_from", lambda: init_weights(plumbing, model, cfg.init_from),
+                                  CheckpointError)
+            log.info(f"init_from: weights of {source}, starting at step 0 with a fresh optimizer")
+        return TrainState()
+    state = collectively(plumbing, f"resuming from {folder}",
+                         lambda: load_checkpoint(plumbing, cfg, folder, model, optimizer, identity), CheckpointError)
+    _check_same_step_everywhere(plumbing, state.step)
+    log.info(f"resume: {folder} (step {state.step})")
+    return state
+
+
+def checkpoint_to_resume(cfg, warn) -> Path | None:
+    if not cfg.resume:
+        return None
+    if cfg.resume == "latest":
+        for folder in reversed(committed_checkpoints(cfg.output_dir)):
+            problem = checkpoint_problem(folder)
+            if problem is None:
+                return folder
+            warn(f"skipping damaged checkpoint {folder}: {problem}; trying the one before")
+        return None
+    problem = checkpoint_problem(Path(cfg.resume))
+    if problem is not None:
+        hint = (f"; it is a run folder: pass --output_dir {cfg.resume} --resume latest"
+                if (Path(cfg.resume) / "checkpoints").is_dir() else "")
+        raise CheckpointError(f"cannot resume from {cfg.resume}: {problem}{hint}")
+    return Path(cfg.resume)
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder (no manifest, a missing, truncated or altered file), or None."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no readable manifest.json (not a checkpoint, or its save never finished)"
+    for name, expected in files.items():
+        expected = expected if isinstance(expected, dict) else {"bytes": expected}  # manifests before checksums
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != expected["bytes"]:
+            return f"{name} is missing or not {expected['bytes']} bytes"
+        if "xxh3_64" in expected and _digest(path) != expected["xxh3_64"]:
+            return f"{name} does not match its checksum (the file was altered or corrupted)"
+    return None
+
+
+def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer, identity: dict) -> TrainState:
     """Restore weights, optimizer, scaler and this process's RNG; return the train state.
 
-    Everything is checked before anything is modified: the manifest, the world size and batch
-    geometry (the data position is only exact if they match), and every weight's name and shape.
+    Everything is checked before anything is modified: the batch geometry and the data identity (the
+    data position is only exact if they match), and every weight's name and shape.
     """
     folder = Path(folder)
     saved = _read_json(folder / "train_state.json")
-    _verify_manifest(folder)
     now = {"world_size": plumbing.num_processes, "batch_size": cfg.batch_size,
            "grad_accum_steps": cfg.grad_accum_steps, "block_size": cfg.block_size}
     changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
@@ -197,6 +275,11 @@ def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer) -> TrainState
         raise CheckpointError(f"{folder} was saved with a different run geometry ({', '.join(changed)}); "
                               f"an exact resume needs the same world size, batch_size, grad_accum_steps "
                               f"and block_size")
+    changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in identity.items() if k in saved and saved[k] != v]
+    if changed:
+        raise CheckpointError(f"{folder} was saved for other data ({', '.join(changed)}): resuming would continue "
+                              f"a different data order; to change them on purpose, start a new run with "
+                              f"--init_from {folder}")
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
     _check_weights(folder / "model.safetensors", module)
     rng_file = folder / f"rng_rank{plumbing.process_index}.pt"
@@ -211,8 +294,23 @@ def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer) -> TrainState
     if scaler is not None:
         scaler.load_state_dict(_load_tensors(folder / "scaler.pt", "cpu"))
     set_rng_state(rng, rng_file)
-    _check_same_step_everywhere(plumbing, saved["step"])
     return TrainState(**{f.name: saved[f.name] for f in fields(TrainState) if f.name in saved})
+
+
+def init_weights(plumbing, model, source: str) -> Path:
+    """Load only the weights of a checkpoint folder, a run folder (its export, else its newest checkpoint)
+    or a .safetensors file; the shapes are checked first."""
+    path = Path(source)
+    if path.is_dir():
+        newest = latest_checkpoint(source)
+        path = path / "model.safetensors" if (path / "model.safetensors").is_file() or newest is None \
+            else newest / "model.safetensors"
+    module = plumbing.unwrap_model(model, keep_torch_compile=False)
+    if not path.is_file():
+        raise CheckpointError(f"init_from: {path} does not exist")
+    _check_weights(path, module)
+    load_model(module, str(path))
+    return path
 
 
 def _check_same_step_everywhere(plumbing, step: int) -> None:
@@ -223,14 +321,6 @@ def _check_same_step_everywhere(plumbing, step: int) -> None:
     if mean_square != mean * mean:
         raise CheckpointError(f"processes resumed from different steps (this one: {step}); a node is missing its "
                               f"newest checkpoint: pass --resume with the same checkpoint folder on every node")
-
-
-def _verify_manifest(folder: Path) -> None:
-    manifest = _read_json(folder / "manifest.json")
-    for name, size in manifest.get("files", {}).items():
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != size:
-            raise CheckpointError(f"{path} is missing or has the wrong size (manifest says {size} bytes)")
 
 
 def _check_weights(path: Path, module: torch.nn.Module) -> None:
@@ -297,41 +387,18 @@ def set_rng_state(state: dict, source: Path) -> None:
         raise CheckpointError(f"{source} holds no usable RNG state: {e}") from None
 
 
-# ---------------------------------------------------------------- preemption
-
-
-class Preemption:
-    """SIGTERM (SLURM, Kubernetes) or SIGUSR1 (SLURM's --signal) asks for a checkpoint and a clean stop.
-
-    The handler only records the signal; the loop asks every rank at each logging step (every
-    `log_every` steps, where it syncs with the GPU anyway), so all ranks stop at the same step even
-    when the signal reaches them at different moments.
-    """
-
-    EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
-
-    def __init__(self):
-        self.signal_name = None
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(signum, self._remember)
-
-    def _remember(self, signum, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-
-    def requested(self, plumbing) -> bool:
-        flag = torch.tensor(float(self.signal_name is not None), device=plumbing.device)
-        return plumbing.reduce(flag, "sum").item() > 0  # collective, and a CPU-GPU sync
-
-
 # ---------------------------------------------------------------- export
 
 
 def export_model(plumbing, model, output_dir: str) -> Path:
     """The trained weights as <output_dir>/model.safetensors (main process; collective barrier)."""
     path = Path(output_dir) / "model.safetensors"
-    if plumbing.is_main_process:
-        tmp = path.with_name(path.name + ".tmp")
-        save_model(plumbing.unwrap_model(model, keep_torch_compile=False), str(tmp))  # no _orig_mod. prefixes
-        os.replace(tmp, path)
-    plumbing.wait_for_everyone()
+    tmp = path.with_name(path.name + ".tmp")
+
+    def export():
+        if plumbing.is_main_process:
+            save_model(plumbing.unwrap_model(model, keep_torch_compile=False), str(tmp))  # no _orig_mod. prefixes
+            os.replace(tmp, path)
+
+    collectively(plumbing, f"exporting {path}", export)
     return path

@@ -27,7 +27,15 @@ TRACKERS = ("none", "wandb", "tensorboard")
 
 
 class ConfigError(ValueError):
-    """A bad config value; the message is one line that names the key."""
+    """A refused input (a bad value, a run folder in use, a checkpoint that does not fit): one line, exit 2."""
+
+    exit_code = 2
+
+
+class RunError(RuntimeError):
+    """A failure the run cannot go on from (a full disk, a diverged loss): one line, exit 1."""
+
+    exit_code = 1
 
 
 def first_line(error: Exception) -> str:
@@ -38,9 +46,10 @@ def first_line(error: Exception) -> str:
 @dataclass
 class TrainConfig:
     # ---- run
-    output_dir: str = "runs/default"  # metrics.jsonl, config.yaml, checkpoints/ and model.safetensors go here
+    output_dir: str = ""  # the run folder; "" = a new runs/run_NNN (with --resume latest: the newest one)
     seed: int = 1337  # model init, data order and dropout all derive from it
     resume: str = ""  # "" = start fresh, "latest" = newest complete checkpoint in output_dir (or fresh), or a folder
+    init_from: str = ""  # start a NEW run (step 0, fresh optimizer) from these weights: a checkpoint, run folder or file
     # ---- tracking
     tracker: str = "none"  # none | wandb | tensorboard, or several comma-separated ("wandb,tensorboard")
     project: str = "accelerate-template"  # W&B / TensorBoard project name (WANDB_PROJECT wins if set)
@@ -67,12 +76,13 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-steps per optimizer step
     lr: float = 2e-3  # peak learning rate, reached after warmup_steps, then cosine to min_lr at max_steps
     min_lr: float = 2e-4  # final learning rate, ~lr/10 as in Chinchilla
-    warmup_steps: int = 30  # linear warmup from 0 to lr
+    warmup_steps: int = -1  # linear warmup from 0 to lr; -1 = max_steps // 10
     weight_decay: float = 0.1  # AdamW decay on matmul/embedding weights only; biases and norms are not decayed
     beta1: float = 0.9  # AdamW
     beta2: float = 0.95  # AdamW; 0.95 is the usual choice for transformers
     max_grad_norm: float = 1.0  # clip the global grad norm to this; 0 disables clipping
-    mixed_precision: str = "no"  # no | bf16 | fp16 (fp16 needs a GPU and uses a grad scaler)
+    mixed_precision: str = ""  # "" = the launcher's (accelerate config or --mixed_precision, else no); no | bf16 | fp16
+    #                             set here, it wins over the launcher (fp16 needs a GPU and uses a grad scaler)
     # ---- cadence
     log_every: int = 10  # steps between metrics.jsonl rows / tracker logs
     eval_every: int = 100  # steps between evaluations on the whole eval set (also run at the last step)
@@ -88,6 +98,10 @@ class TrainConfig:
     def run_label(self) -> str:
         return self.run_name or os.path.basename(os.path.normpath(self.output_dir))
 
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps >= 0 else self.max_steps // 10
+
     def trackers(self) -> list[str]:
         return [t for t in self.tracker.split(",") if t and t != "none"]
 
@@ -96,27 +110,29 @@ class TrainConfig:
         for key in ("max_steps", "batch_size", "grad_accum_steps", "block_size", "n_layer", "n_head",
                     "n_embd", "log_every", "eval_every", "keep_last", "dist_timeout_s"):
             _require(key, getattr(self, key) > 0, "must be > 0", getattr(self, key))
-        for key in ("warmup_steps", "weight_decay", "max_grad_norm", "save_every", "num_workers", "min_lr"):
+        for key in ("weight_decay", "max_grad_norm", "save_every", "num_workers", "min_lr"):
             _require(key, getattr(self, key) >= 0, "must be >= 0", getattr(self, key))
         _require("lr", self.lr > 0, "must be > 0", self.lr)
         _require("min_lr", self.min_lr <= self.lr, f"must be <= lr ({self.lr})", self.min_lr)
-        _require("warmup_steps", self.warmup_steps < self.max_steps,
-                 f"must be < max_steps ({self.max_steps})", self.warmup_steps)
+        _require("warmup_steps", -1 <= self.warmup_steps < self.max_steps,
+                 f"must be -1 (auto) or in [0, max_steps ({self.max_steps}))", self.warmup_steps)
         _require("dropout", 0 <= self.dropout < 1, "must be in [0, 1)", self.dropout)
         _require("eval_fraction", 0 < self.eval_fraction < 1, "must be in (0, 1)", self.eval_fraction)
         for key in ("beta1", "beta2"):
             _require(key, 0 <= getattr(self, key) < 1, "must be in [0, 1)", getattr(self, key))
         _require("n_embd", self.n_embd % self.n_head == 0,
                  f"must be divisible by n_head ({self.n_head})", self.n_embd)
-        _require("mixed_precision", self.mixed_precision in ("no", "bf16", "fp16"),
-                 "must be one of no, bf16, fp16", self.mixed_precision)
+        _require("mixed_precision", self.mixed_precision in ("", "no", "bf16", "fp16"),
+                 "must be one of no, bf16, fp16 (or '' for the launcher's)", self.mixed_precision)
         for name in self.tracker.split(","):
             _require("tracker", name in TRACKERS, f"entries must be among {', '.join(TRACKERS)}", self.tracker)
-        _require("output_dir", self.output_dir.strip() != "", "must not be empty", self.output_dir)
         _require("text_column", self.text_column != "", "must not be empty", self.text_column)
         if self.resume not in ("", "latest"):
             _require("resume", os.path.isdir(self.resume), "must be '', 'latest' or an existing folder",
                      self.resume)
+        if self.init_from:
+            _require("init_from", os.path.exists(self.init_from), "is not an existing checkpoint, run folder or "
+                     ".safetensors file", self.init_from)
         _check_dataset(self.dataset)
 
 

@@ -56,6 +56,12 @@ def tokenize(batch: dict, block_size: int, text_column: str) -> dict:
 # <<< FORK POINT 2
 
 
+def data_identity(cfg, train_set) -> dict:
+    """What a resume must find unchanged for the data order to continue exactly where it stopped."""
+    return {"seed": cfg.seed, "dataset": cfg.dataset, "train_blocks": len(train_set),
+            "data_fingerprint": getattr(train_set, "_fingerprint", None)}  # datasets' hash of data and processing
+
+
 def collate(samples: list[dict]) -> dict:
     """Stack samples into the model's inputs; a causal LM's labels are its inputs (it shifts them)."""
     input_ids = torch.stack([s["input_ids"] for s in samples]).long()
@@ -72,7 +78,11 @@ def load_text(cfg):
     if os.path.exists(source):
         files = _data_files(source)
         builder = _BUILDERS[Path(files[0]).suffix]
-        splits = datasets.load_dataset(builder, data_files={"train": files})
+        try:
+            splits = datasets.load_dataset(builder, data_files={"train": files})
+        except Exception as e:  # a malformed line, a wrong encoding: name the file type and the first cause
+            cause = e.__cause__ or e
+            raise ConfigError(f"dataset '{source}' cannot be read as {builder} files: {first_line(cause)}") from None
     else:
         try:
             splits = datasets.load_dataset(source, cfg.dataset_config or None)

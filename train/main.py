@@ -24,20 +24,15 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from checkpoint import (
-    CheckpointError,
-    Preemption,
-    TrainState,
-    export_model,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from config import ConfigError, TrainConfig, load_config
-from data import EpochSampler, build_datasets, collate
+import torch.distributed as dist
+
+from checkpoint import TrainState, export_model, latest_checkpoint, resume_or_start, save_checkpoint
+from config import ConfigError, RunError, TrainConfig, first_line, load_config
+from data import EpochSampler, build_datasets, collate, data_identity
+from job import Preempted, StopSignals, claim_run_folder, stop_signals, try_lock_run_folder
 from model import build_model, causal_lm_loss
 from optim import build_optimizer, lr_at, set_lr
-from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id
+from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id, write_preempted_marker
 
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the rest.
 OTHER_RANKS_ERROR_DELAY_S = 5.0
@@ -45,8 +40,7 @@ OTHER_RANKS_ERROR_DELAY_S = 5.0
 
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config_or_exit(argv)  # a bad value stops here: no process group, no folder, no data
-    accelerator = build_accelerator(cfg)
-    run_or_exit(train, cfg, accelerator)
+    run_or_exit(train, cfg, build_accelerator)
 
 
 def build_accelerator(cfg: TrainConfig):
@@ -62,7 +56,8 @@ def build_accelerator(cfg: TrainConfig):
         # Measured: on a machine without a GPU, Accelerator() leaves every launched process believing it
         # is rank 0 of 1 (N independent trainings writing one folder); cpu=True makes them a gloo group.
         cpu=not torch.cuda.is_available(),
-        mixed_precision=cfg.mixed_precision,
+        # None: the launcher's setting (ACCELERATE_MIXED_PRECISION, from the accelerate config) decides
+        mixed_precision=cfg.mixed_precision or None,
         # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on the torch path
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum_steps,
                                                                 sync_with_dataloader=False),
@@ -79,7 +74,7 @@ def build_accelerator(cfg: TrainConfig):
 
 
 def train(cfg: TrainConfig, accelerator) -> int:
-    """THE training loop; returns the process exit code (0, or Preemption.EXIT_CODE).
+    """THE training loop; returns the process exit code (0, or StopSignals' code after a signal).
 
     `accelerator` is an accelerate.Accelerator, or torch_ddp.TorchDDP, which implements the members
     used here with plain torch.distributed: device, is_main_process, is_local_main_process,
@@ -90,13 +85,13 @@ def train(cfg: TrainConfig, accelerator) -> int:
     """
     # ---------------------------------------------------------------- setup
     seed_everything(cfg.seed)  # the same model init on every rank
-    log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     # ---------------------------------------------------------------- data
     # rank 0 fills the datasets cache and the others reuse it; on node-local disks, once per node
     first = accelerator.main_process_first if cfg.shared_filesystem else accelerator.local_main_process_first
     with first():
         train_set, eval_set = build_datasets(cfg)
     check_data_size(len(train_set), cfg, accelerator.num_processes)
+    claim_run_folder(cfg, accelerator)  # settles output_dir and locks it: one job per run folder
     sampler = EpochSampler(len(train_set), cfg.seed)  # data order is ours: a function of (seed, epoch)
     # a loader draws its worker seeds from `generator`, not from the global RNG that dropout uses
     loader_args = dict(batch_size=cfg.batch_size, collate_fn=collate, num_workers=cfg.num_workers,
@@ -104,6 +99,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
     train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **loader_args)
     eval_loader = DataLoader(eval_set, **loader_args)
     # ---------------------------------------------------------------- model and optimizer
+    log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     model = build_model(cfg)
     optimizer = build_optimizer(model, cfg)
     # prepare: DDP-wraps the model, shards each loader's batches across ranks, moves batches to the device
@@ -112,19 +108,22 @@ def train(cfg: TrainConfig, accelerator) -> int:
         model = torch.compile(model)
     seed_everything(cfg.seed + accelerator.process_index)  # dropout masks differ per rank, as they should
     # ---------------------------------------------------------------- resume
-    state = resume_or_start(cfg, accelerator, model, optimizer, log)
+    identity = data_identity(cfg, train_set)  # what a resume must find unchanged
+    state = resume_or_start(accelerator, cfg, model, optimizer, identity, log)
     state.tracker_run_id = state.tracker_run_id or new_run_id()  # a resumed run continues its W&B run
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     log.start(state.step, {**environment_info(), "processes": accelerator.num_processes,
+                           "mixed_precision": accelerator.mixed_precision,
                            "global_batch_size": global_batch, "tokens_per_step": global_batch * cfg.block_size,
                            "train_samples": len(train_set), "eval_samples": len(eval_set),
                            "parameters": sum(p.numel() for p in plain_model.parameters())})
     log.start_trackers(state.tracker_run_id)
     batches = micro_batches(train_loader, sampler, cfg, accelerator.num_processes, state)
     throughput = Throughput(global_batch, global_batch * cfg.block_size, flops_per_token(plain_model),
-                            accelerator.num_processes, cfg.mixed_precision)
-    preemption = Preemption()  # SIGTERM / SIGUSR1: stop at the next logging step, checkpoint, exit
+                            accelerator.num_processes, accelerator.mixed_precision)
+    stop_signals.loop_running = True  # from now on a signal means: checkpoint at the next logging step, then stop
+    bad_grad_steps = torch.zeros((), device=accelerator.device)  # counted on the device: no sync per step
     # ---------------------------------------------------------------- loop
     model.train()
     while state.step < cfg.max_steps:
@@ -136,6 +135,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
                 step_loss += loss.detach() / cfg.grad_accum_steps
                 if accelerator.sync_gradients:  # the last micro-step: clip, set this step's LR, update
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+                    bad_grad_steps += ~torch.isfinite(grad_norm)
                     lr = set_lr(optimizer, lr_at(state.step, cfg))
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -144,25 +144,27 @@ def train(cfg: TrainConfig, accelerator) -> int:
         state.tokens_seen += global_batch * cfg.block_size
         throughput.step()
         is_last, stopping = state.step == cfg.max_steps, False
-        if state.step % cfg.log_every == 0 or is_last:  # the loop waits for the GPU here only, so it can run ahead
-            mean_loss = accelerator.reduce(step_loss, "mean").item()  # over micro-steps, then over ranks
+        saving = (cfg.save_every and state.step % cfg.save_every == 0) or is_last
+        if state.step % cfg.log_every == 0 or saving:  # the loop waits for the GPU here only, so it can run ahead
+            # over micro-steps, then over ranks; checked before every save, so no broken weights are ever committed
+            mean_loss, bad_grads = accelerator.reduce(torch.stack([step_loss, bad_grad_steps]), "mean").tolist()
             log.log(state.step, {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "epoch": state.epoch,
                                  "tokens_seen": state.tokens_seen, **throughput.report()})
-            if not math.isfinite(mean_loss):  # the same reduced value on every rank: all stop here
-                raise TrainingDiverged(state.step, mean_loss, latest_checkpoint(cfg.output_dir))
-            stopping = preemption.requested(accelerator)  # collective: every rank stops at the same step
+            if not math.isfinite(mean_loss) or bad_grads:  # the same reduced values on every rank: all stop here
+                raise TrainingDiverged(state.step, mean_loss, bad_grads, latest_checkpoint(cfg.output_dir))
+            stopping = stop_signals.requested(accelerator)  # collective: every rank stops at the same step
         log.advance()
         if state.step % cfg.eval_every == 0 or is_last:
             eval_loss = evaluate(model, eval_loader, accelerator)
             log.log(state.step, {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))})
-        if (cfg.save_every and state.step % cfg.save_every == 0) or is_last or stopping:
-            path = save_checkpoint(accelerator, cfg, model, optimizer, state)
+        if saving or stopping:
+            path = save_checkpoint(accelerator, cfg, model, optimizer, state, identity)
             log.info(f"checkpoint: {path}")
         if stopping:
-            log.preempted(state.step, preemption.signal_name or "a signal on another rank", str(path))
+            log.stopped(state.step, stop_signals.signal_name or "a signal on another rank", str(path))
             log.close()
-            return Preemption.EXIT_CODE
-        if state.step % cfg.eval_every == 0 or (cfg.save_every and state.step % cfg.save_every == 0):
+            return stop_signals.exit_code
+        if state.step % cfg.eval_every == 0 or saving:
             throughput.restart()  # eval and checkpoint time is not training throughput
     # ---------------------------------------------------------------- save
     path = export_model(accelerator, model, cfg.output_dir)
@@ -206,22 +208,6 @@ def evaluate(model, eval_loader, accelerator) -> float:
     return torch.cat(losses).mean().item()
 
 
-def resume_or_start(cfg, accelerator, model, optimizer, log) -> TrainState:
-    existing = latest_checkpoint(cfg.output_dir)
-    if not cfg.resume:
-        if existing is not None:
-            raise ConfigError(f"output_dir '{cfg.output_dir}' already holds checkpoints; pass --resume latest "
-                              f"to continue that run, or choose another output_dir")
-        return TrainState()
-    folder = existing if cfg.resume == "latest" else cfg.resume
-    if folder is None:
-        log.info(f"resume: no checkpoint in {cfg.output_dir} yet, starting fresh")
-        return TrainState()
-    state = load_checkpoint(accelerator, cfg, folder, model, optimizer)
-    log.info(f"resume: {folder} (step {state.step})")
-    return state
-
-
 def seed_everything(seed: int) -> None:
     import random
 
@@ -235,8 +221,8 @@ def seed_everything(seed: int) -> None:
 def check_world_size(num_processes: int) -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != num_processes:
-        raise SystemExit(f"error: the launcher started {launched} processes but this one sees a world of "
-                         f"{num_processes}: they would train independently and overwrite each other's files")
+        raise ConfigError(f"the launcher started {launched} processes but this one sees a world of "
+                          f"{num_processes}: they would train independently and overwrite each other's files")
 
 
 def check_data_size(num_samples: int, cfg: TrainConfig, num_processes: int) -> None:
@@ -254,25 +240,51 @@ def load_config_or_exit(argv) -> TrainConfig:
         exit_with_error(e)
 
 
-class TrainingDiverged(RuntimeError):
-    """The loss went nan or inf. Stop: going on would only save broken weights over the good checkpoints."""
+class TrainingDiverged(RunError):
+    """The loss or the gradients went nan or inf. Stop: going on would only save broken weights."""
 
-    def __init__(self, step: int, loss: float, last_checkpoint: Path | None):
+    def __init__(self, step: int, loss: float, bad_grads: float, last_checkpoint: Path | None):
+        what = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm was not finite"
         where = f"resume from {last_checkpoint}" if last_checkpoint else "no checkpoint was saved; start again"
-        super().__init__(f"loss is {loss} at step {step}: training diverged; {where} "
-                         f"with a lower lr or more warmup_steps")
+        super().__init__(f"{what} at step {step}: training diverged; {where} with a lower lr or more warmup_steps")
 
 
-def run_or_exit(train_fn, cfg, plumbing) -> None:
+def run_or_exit(train_fn, cfg, make_plumbing) -> None:
+    """Run a training job and turn every way it ends into an exit code and at most one line:
+    0 done, 2 a refused input, 75 preempted (130 after Ctrl-C), 1 any other failure."""
+    stop_signals.install()  # before anything slow starts: a signal during start-up is a clean stop too
+    plumbing = None
     try:
+        plumbing = make_plumbing(cfg)
         code = train_fn(cfg, plumbing)
-    except (ConfigError, CheckpointError, TrainingDiverged) as e:
+    except Preempted:
+        code = stopped_before_training(cfg, plumbing)
+    except KeyboardInterrupt:  # the second Ctrl-C: stop now, without a checkpoint
+        code = StopSignals.INTERRUPTED_EXIT_CODE
+    except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem, on any write
         exit_with_error(e)
+    except dist.DistError as e:  # this process's peer died or hung: that process says why
+        exit_with_error(RunError(f"lost contact with another process ({first_line(e)})"))
+    finally:
+        getattr(plumbing, "close", lambda: None)()
     sys.exit(code)
 
 
+def stopped_before_training(cfg, plumbing) -> int:
+    """A signal during start-up: nothing new to save. Leave the requeue marker if the run folder is ours."""
+    rank0 = plumbing.is_main_process if plumbing is not None else os.environ.get("RANK", "0") == "0"
+    if rank0 and cfg.output_dir and stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE \
+            and try_lock_run_folder(cfg.output_dir):
+        newest = latest_checkpoint(cfg.output_dir)
+        write_preempted_marker(cfg.output_dir, int(newest.name.split("_")[1]) if newest else 0,
+                               stop_signals.signal_name, str(newest) if newest else None)
+    print(f"stopped during start-up on {stop_signals.signal_name}: nothing trained yet; "  # noqa: T201
+          f"start again with --resume latest", file=sys.stderr)
+    return stop_signals.exit_code
+
+
 def exit_with_error(error: Exception) -> None:
-    """Print `error: ...` and exit 2, once per job rather than once per rank.
+    """Print `error: ...` and exit with the error's code, once per job rather than once per rank.
 
     Usually every rank hits the same error, and the launcher kills the other ranks the moment one
     exits. So rank 0 speaks at once and the others wait first: if rank 0 failed too they are killed
@@ -281,8 +293,8 @@ def exit_with_error(error: Exception) -> None:
     if os.environ.get("RANK", "0") != "0":
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's kill is not a preemption here
         time.sleep(OTHER_RANKS_ERROR_DELAY_S)
-    print(f"error: {error}", file=sys.stderr)  # noqa: T201
-    sys.exit(2)
+    print(f"error: {error}", file=sys.stderr)  # noqa: T201 - our messages, and OSError's, are one line
+    sys.exit(getattr(error, "exit_code", 1))
 
 
 if __name__ == "__main__":

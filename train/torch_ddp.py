@@ -49,6 +49,7 @@ class TorchDDP:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=timedelta(seconds=cfg.dist_timeout_s))
             check_world_size(dist.get_world_size())
+        self.mixed_precision = cfg.mixed_precision or "no"  # torchrun has no precision setting of its own
         self.scaler = None  # checkpoint.py saves a grad scaler's state when a plumbing has one
         self.sync_gradients = True
         self._micro_step = 0
@@ -60,7 +61,7 @@ class TorchDDP:
         if self.distributed:  # broadcasts rank 0's weights, then all-reduces gradients in backward
             model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                         find_unused_parameters=self.cfg.find_unused_parameters)
-        if self.cfg.mixed_precision == "bf16":  # what Accelerate does: autocast around forward
+        if self.mixed_precision == "bf16":  # what Accelerate does: autocast around forward
             model.forward = _autocast(model.forward, self.device.type)
         return (model, optimizer, ShardedLoader(train_loader, self, train=True),
                 ShardedLoader(eval_loader, self, train=False))
@@ -219,11 +220,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(cfg: TrainConfig) -> None:
-    plumbing = TorchDDP(cfg)
-    try:
-        run_or_exit(train, cfg, plumbing)
-    finally:
-        plumbing.close()  # destroy_process_group, on errors too
+    run_or_exit(train, cfg, TorchDDP)  # which calls TorchDDP.close (destroy_process_group) on every way out
 
 
 def _spawned(rank: int, world_size: int, argv: list[str], port: int) -> None:

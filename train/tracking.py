@@ -47,7 +47,7 @@ class MetricsLogger:
         (self.output_dir / "run_info.json").write_text(json.dumps(run_info, indent=2) + "\n")
         (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run is the requeued one
         path = self.output_dir / "metrics.jsonl"
-        kept = [line for line in _read_lines(path) if json.loads(line).get("step", 0) <= step]
+        kept = [line for line in _read_lines(path) if _step_of(line) <= step]  # a resume re-logs the rest
         path.write_text("".join(kept))
         self.metrics_file = open(path, "a", buffering=1)  # line-buffered: readable while training runs
         atexit.register(self.close)  # trackers are finished on every way out, errors included (W&B hangs otherwise)
@@ -94,13 +94,12 @@ class MetricsLogger:
         self.info(" | ".join([f"step {step}/{self.cfg.max_steps}"] + [_fmt(k, v) for k, v in row.items()
                                                                       if k != "step"]))
 
-    def preempted(self, step: int, signal_name: str, checkpoint: str) -> None:
-        """Leave <output_dir>/preempted.json: launchers report any worker's exit as 1, so a requeue
-        script tells "stopped on a signal, with a checkpoint" apart from a failure by this file."""
-        if self.enabled:
-            record = {"step": step, "signal": signal_name, "checkpoint": checkpoint}
-            (self.output_dir / PREEMPTED_MARKER).write_text(json.dumps(record) + "\n")
-        self.info(f"stopping at step {step} on {signal_name}: resume with --resume latest")
+    def stopped(self, step: int, signal_name: str, checkpoint: str) -> None:
+        """A stop on a signal, with a checkpoint. Except after Ctrl-C, leave the requeue marker."""
+        if self.enabled and signal_name != "SIGINT":
+            write_preempted_marker(self.cfg.output_dir, step, signal_name, checkpoint)
+        self.info(f"stopping at step {step} on {signal_name}, checkpoint saved: continue with "
+                  f"--output_dir {self.cfg.output_dir} --resume latest")
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -130,6 +129,13 @@ class MetricsLogger:
             self.metrics_file.close()
             self.metrics_file = None
         finish_trackers(self.plumbing)
+
+
+def write_preempted_marker(output_dir: str, step: int, signal_name: str, checkpoint: str | None) -> None:
+    """<output_dir>/preempted.json: launchers report any worker's exit as 1, so a requeue script tells
+    "stopped on a signal, requeue me" apart from a failure by this file. The next start removes it."""
+    record = {"step": step, "signal": signal_name, "checkpoint": checkpoint}
+    (Path(output_dir) / PREEMPTED_MARKER).write_text(json.dumps(record) + "\n")
 
 
 def wandb_init_kwargs(cfg: TrainConfig, run_id: str) -> dict:
@@ -212,6 +218,14 @@ def flops_per_token(model) -> float:
 
 def _read_lines(path: Path) -> list[str]:
     return path.read_text().splitlines(keepends=True) if path.exists() else []
+
+
+def _step_of(line: str) -> float:
+    """A row's step; a line torn by a crash mid-write counts as past every step, so it is dropped."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return math.inf
 
 
 def _plain(value):

@@ -24,6 +24,7 @@ TRAIN_DIR = Path(__file__).resolve().parents[2] / "train"
 sys.path.insert(0, str(TRAIN_DIR))
 
 import checkpoint  # noqa: E402
+import job  # noqa: E402
 import main  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -41,7 +42,7 @@ def armed() -> bool:
 
 
 def inject_step_fault(step: int, action: str) -> None:
-    original = checkpoint.Preemption.requested
+    original = job.StopSignals.requested
     boundaries = {"n": 0}
 
     def requested(self, plumbing):
@@ -50,7 +51,7 @@ def inject_step_fault(step: int, action: str) -> None:
             os.kill(os.getpid(), {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}.get(action, signal.SIGKILL))
         return original(self, plumbing)
 
-    checkpoint.Preemption.requested = requested
+    job.StopSignals.requested = requested
 
 
 def inject_save_fault(point: str, save_number: int) -> None:

@@ -1,0 +1,153 @@
+"""The job around the loop: its run folder (a fresh runs/run_NNN unless --output_dir names one) with one
+owner at a time, decisions every process takes together, and the signals that stop it.
+
+The lock is an OS lock (flock) on <output_dir>/.lock, taken by each process that writes the run's files
+(the main process; with --shared_filesystem false, each node's local main process) before anything is
+written, and held until it exits: a crashed or killed holder's lock is released by the kernel, so a
+requeued job never finds a stale lock. flock is honoured on local disks, NFSv4 and Lustre mounted with
+`-o flock`; on a filesystem that ignores it (Lustre with `noflock`, some FUSE mounts) two jobs are not
+kept apart: give each job its own output_dir there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from config import ConfigError, RunError, first_line
+
+RUNS_ROOT = Path("runs")
+RUN_NAME = re.compile(r"run_(\d+)")
+_held_locks = []  # open until the process exits: closing the file would release the lock
+
+
+def collectively(plumbing, action: str, fn, error_type=RunError, on_failure=None):
+    """Run fn on every process; if it raised on any of them, every process raises error_type.
+
+    A barrier cannot tell success from failure, and a process that raises alone leaves the others
+    waiting in their next collective until a timeout: so the processes count the failures first.
+    """
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as e:  # any failure, not only OSError: the others must not wait for this one
+        error = e
+    failed = plumbing.reduce(torch.tensor(float(error is not None), device=plumbing.device), "sum").item()
+    if failed:
+        if on_failure is not None:
+            on_failure()
+        if isinstance(error, error_type):
+            raise error
+        raise error_type(f"{action}: {first_line(error)}" if error else f"{action} failed on another process")
+    return result
+
+
+def is_writer(plumbing, cfg) -> bool:
+    """Whether this process writes the run folder's shared files (once per job, or once per node)."""
+    return plumbing.is_main_process if cfg.shared_filesystem else plumbing.is_local_main_process
+
+
+def claim_run_folder(cfg, plumbing) -> None:
+    """Settle cfg.output_dir (the same on every process) and lock it for this job."""
+    if not cfg.output_dir:
+        number = _pick_run_number(cfg.resume == "latest") if plumbing.is_main_process else 0
+        number = int(plumbing.reduce(torch.tensor(float(number), device=plumbing.device), "sum").item())
+        cfg.output_dir = str(RUNS_ROOT / f"run_{number:03d}")
+    writer = is_writer(plumbing, cfg)
+    collectively(plumbing, "locking the run folder", lambda: writer and lock_run_folder(cfg.output_dir), ConfigError)
+
+
+def _pick_run_number(newest: bool) -> int:
+    """The newest runs/run_NNN (to resume it), or a new one, created here so that two jobs never share it."""
+    numbers = [int(m.group(1)) for p in RUNS_ROOT.glob("run_*") if (m := RUN_NAME.fullmatch(p.name))]
+    if newest and numbers:
+        return max(numbers)
+    number = max(numbers, default=0) + 1
+    RUNS_ROOT.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:
+            (RUNS_ROOT / f"run_{number:03d}").mkdir()
+            return number
+        except FileExistsError:  # another job took it a moment ago
+            number += 1
+
+
+def try_lock_run_folder(output_dir: str) -> bool:
+    """Whether this process holds the run folder's lock, taking it if it is free."""
+    if not _held_locks:
+        try:
+            lock_run_folder(output_dir)
+        except (ConfigError, OSError):
+            return False
+    return True
+
+
+def lock_run_folder(output_dir: str) -> None:
+    """Take <output_dir>/.lock for as long as this process lives, or raise ConfigError naming the holder."""
+    path = Path(output_dir) / ".lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that has not written its name yet"
+        lock.close()
+        raise ConfigError(f"output_dir '{output_dir}' is in use by another job ({holder}); wait for it to end, "
+                          f"or choose another output_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"host {os.uname().nodename}, pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    _held_locks.append(lock)
+
+
+# ---------------------------------------------------------------- stop signals
+
+
+class Preempted(BaseException):  # not an Exception: nothing may catch it on the way out
+    """A stop signal that arrived before the loop started: there is nothing new to checkpoint."""
+
+
+class StopSignals:
+    """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal) and Ctrl-C ask for a checkpoint and a clean stop.
+
+    Installed before anything else starts. During start-up nothing has trained since the last checkpoint,
+    so a signal stops the job at once (Preempted). Once the loop runs, the handler only records it; the loop
+    asks every rank at its logging steps, where it syncs with the GPU anyway, so all ranks stop at the same
+    step. A second Ctrl-C stops at once.
+    """
+
+    PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
+    INTERRUPTED_EXIT_CODE = 130  # Ctrl-C: stopped with a checkpoint, but nobody asked for a requeue
+
+    def __init__(self):
+        self.signal_name, self.loop_running = None, False
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+            raise KeyboardInterrupt  # the second Ctrl-C
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        if not self.loop_running:
+            raise Preempted(self.signal_name)
+
+    def requested(self, plumbing) -> bool:
+        flag = torch.tensor(float(self.signal_name is not None), device=plumbing.device)
+        return plumbing.reduce(flag, "sum").item() > 0  # collective, and a CPU-GPU sync
+
+    @property
+    def exit_code(self) -> int:
+        return self.INTERRUPTED_EXIT_CODE if self.signal_name == "SIGINT" else self.PREEMPTED_EXIT_CODE
+
+
+stop_signals = StopSignals()
