@@ -1,4 +1,4 @@
-"""Checkpoint protocol, in one process: round trip, atomic layout, pruning, and refusing bad files."""
+"""Checkpoint protocol, in one process: round trip, atomic layout, pruning, integrity, and refusing bad files."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint import CheckpointError, TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from config import TrainConfig
+from checkpoint import CheckpointError, TrainState, latest_checkpoint
+from config import RunError, TrainConfig
 from model import build_model
 from optim import build_optimizer
 
@@ -29,6 +29,20 @@ class OneProcess:
 
     def unwrap_model(self, model, keep_torch_compile=True):
         return model
+
+
+IDENTITY = {"seed": 1337, "dataset": "corpus.jsonl", "train_blocks": 100, "data_fingerprint": "abc"}
+
+
+def save_checkpoint(plumbing, cfg, model, optimizer, state):
+    return checkpoint.save_checkpoint(plumbing, cfg, model, optimizer, state, IDENTITY)
+
+
+def load_checkpoint(plumbing, cfg, folder, model, optimizer, identity=IDENTITY):
+    problem = checkpoint.checkpoint_problem(folder)
+    if problem and "refused" not in problem:
+        raise CheckpointError(problem)
+    return checkpoint.load_checkpoint(plumbing, cfg, folder, model, optimizer, identity)
 
 
 def setup(tmp_path, **kw):
@@ -52,6 +66,7 @@ def test_round_trip_restores_weights_optimizer_rng_and_state(tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "train_state.json",
                                       "config.yaml"}
+    assert all(len(entry["xxh3_64"]) == 16 for entry in manifest["files"].values())
 
     _, fresh_model, fresh_optimizer = setup(tmp_path / "other")
     with torch.no_grad():
@@ -97,10 +112,16 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_model", disk_full)
-    with pytest.raises(CheckpointError, match="saving the checkpoint of step 2 .* failed: .*No space left"):
+    with pytest.raises(RunError, match="saving the checkpoint of step 2 .*: .*No space left"):
         save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=2))
     assert [p.name for p in good.parent.iterdir()] == [good.name]
     assert latest_checkpoint(cfg.output_dir) == good
+
+
+def forge_manifest(path, name):
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": (path / name).stat().st_size, "xxh3_64": checkpoint._digest(path / name)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 class Payload:
@@ -119,9 +140,7 @@ def test_a_malicious_pickle_is_refused_and_does_not_run(tmp_path, name):
     path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
     sentinel = tmp_path / "SENTINEL"
     (path / name).write_bytes(pickle.dumps(Payload(sentinel), protocol=2))
-    manifest = json.loads((path / "manifest.json").read_text())  # a forger rewrites the manifest too
-    manifest["files"][name] = (path / name).stat().st_size
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    forge_manifest(path, name)  # a forger rewrites the manifest too
     with pytest.raises(CheckpointError) as error:
         load_checkpoint(OneProcess(), cfg, path, model, optimizer)
     assert f"{path / name} refused: not a plain tensor file" in str(error.value)
@@ -134,8 +153,11 @@ def test_a_tampered_or_truncated_file_fails_the_manifest(tmp_path):
     path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
     data = (path / "optimizer.pt").read_bytes()
     (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="optimizer.pt is missing or has the wrong size"):
-        load_checkpoint(OneProcess(), cfg, path, model, optimizer)
+    assert checkpoint.checkpoint_problem(path) == f"optimizer.pt is missing or not {len(data)} bytes"
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF  # same size, one byte changed
+    (path / "optimizer.pt").write_bytes(bytes(flipped))
+    assert "optimizer.pt does not match its checksum" in checkpoint.checkpoint_problem(path)
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_anything_changes(tmp_path):
@@ -166,12 +188,98 @@ def test_a_folder_that_is_not_a_checkpoint(tmp_path):
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("hello")
-    with pytest.raises(CheckpointError, match="is not a checkpoint: no train_state.json"):
-        load_checkpoint(OneProcess(), cfg, junk, model, optimizer)
+    assert "no readable manifest.json" in checkpoint.checkpoint_problem(junk)
     path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
     (path / "model.safetensors").write_bytes(pickle.dumps({"weights": 1}))
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["model.safetensors"] = (path / "model.safetensors").stat().st_size
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    forge_manifest(path, "model.safetensors")
     with pytest.raises(CheckpointError, match="model.safetensors is not a safetensors file"):
         load_checkpoint(OneProcess(), cfg, path, model, optimizer)
+
+
+class Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, message):
+        self.lines.append(message)
+
+    def warn(self, message):
+        self.lines.append(f"warning: {message}")
+
+
+def resume(cfg, model, optimizer, identity=IDENTITY):
+    log = Log()
+    return checkpoint.resume_or_start(OneProcess(), cfg, model, optimizer, identity, log), log
+
+
+def test_a_crash_between_the_two_renames_of_a_resave_leaves_a_resumable_folder(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=4))
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=8))
+    os.replace(path, path.with_name(path.name + ".stale"))  # the first rename happened, then the crash
+    assert latest_checkpoint(cfg.output_dir).name == "step_00000004"  # .stale is never parsed as a step
+    cfg.resume = "latest"
+    state, _ = resume(cfg, model, optimizer)
+    assert state.step == 8 and latest_checkpoint(cfg.output_dir) == path  # put back at start-up
+    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=12))  # pruning copes too
+
+
+def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_path_is_refused(tmp_path):
+    cfg, model, optimizer = setup(tmp_path)
+    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=4))
+    newest = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=8))
+    data = bytearray((newest / "model.safetensors").read_bytes())
+    data[-1] ^= 0x01
+    (newest / "model.safetensors").write_bytes(bytes(data))
+    cfg.resume = "latest"
+    state, log = resume(cfg, model, optimizer)
+    assert state.step == 4
+    assert any(f"skipping damaged checkpoint {newest}: model.safetensors does not match its checksum" in line
+               for line in log.lines), log.lines
+    cfg.resume = str(newest)
+    with pytest.raises(CheckpointError, match=f"cannot resume from {newest}: model.safetensors does not match"):
+        resume(cfg, model, optimizer)
+    cfg.resume = cfg.output_dir  # a run folder, not a checkpoint
+    with pytest.raises(CheckpointError, match="it is a run folder: pass --output_dir .* --resume latest"):
+        resume(cfg, model, optimizer)
+
+
+@pytest.mark.parametrize("key, value", [("seed", 7), ("dataset", "other.jsonl"), ("train_blocks", 99),
+                                        ("data_fingerprint", "def")])
+def test_resume_refuses_other_data_and_init_from_takes_the_weights_only(tmp_path, key, value):
+    cfg, model, optimizer = setup(tmp_path)
+    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=5))
+    cfg.resume = "latest"
+    with pytest.raises(CheckpointError, match=f"saved for other data \\({key} .* -> {value!r}\\).*--init_from"):
+        resume(cfg, model, optimizer, {**IDENTITY, key: value})
+    fresh_cfg, fresh_model, fresh_optimizer = setup(tmp_path / "new", init_from=str(path))
+    with torch.no_grad():
+        fresh_model.wte.weight.add_(1.0)
+    own_moments = fresh_optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    state, log = resume(fresh_cfg, fresh_model, fresh_optimizer, {**IDENTITY, key: value})
+    assert state.step == 0 and any("init_from" in line for line in log.lines)
+    assert torch.equal(fresh_model.wte.weight, model.wte.weight)
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], own_moments)  # not the checkpoint's
+
+
+def test_any_failure_on_a_process_fails_the_save_everywhere(tmp_path, monkeypatch):
+    cfg, model, optimizer = setup(tmp_path)
+
+    def broken_state(*_args):
+        raise TypeError("cannot pickle 'generator' object")  # not an OSError: before, the others waited forever
+
+    monkeypatch.setattr(checkpoint, "rng_state", broken_state)
+    with pytest.raises(RunError, match="cannot pickle"):
+        save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    assert not list(checkpoint.checkpoint_root(cfg.output_dir).iterdir())
+
+
+def test_a_failed_publish_is_one_line(tmp_path, monkeypatch):
+    cfg, model, optimizer = setup(tmp_path)
+
+    def read_only(*_args):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(checkpoint.os, "replace", read_only)
+    with pytest.raises(RunError, match="committing .*step_00000001: .*Permission denied"):
+        save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))

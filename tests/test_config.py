@@ -16,6 +16,13 @@ def test_defaults_yaml_then_cli_precedence(tmp_path):
     assert cfg.max_steps == TrainConfig().max_steps  # untouched default
 
 
+def test_default_warmup_adapts_to_short_runs():
+    for steps in (1, 10, 20, 300):
+        cfg = load_config(["--max_steps", str(steps)])
+        assert cfg.warmup == steps // 10 and cfg.warmup < steps  # a 10-step smoke run is accepted
+    assert load_config(["--max_steps", "20", "--warmup_steps", "5"]).warmup == 5
+
+
 def test_shipped_presets_load():
     for preset in sorted((REPO / "train" / "configs").glob("*.yaml")):
         assert isinstance(load_config(["--config", str(preset)]), TrainConfig), preset
@@ -26,10 +33,12 @@ def test_shipped_presets_load():
     (["--batch_size", "0"], "batch_size must be > 0 (got 0)"),
     (["--batch_size", "abc"], "batch_size must be an int (got 'abc')"),
     (["--lrr", "0.1"], "unknown key 'lrr' (did you mean 'lr'?)"),
-    (["--mixed_precision", "fp8"], "mixed_precision must be one of no, bf16, fp16 (got 'fp8')"),
+    (["--mixed_precision", "fp8"], "mixed_precision must be one of no, bf16, fp16 (or '' for the launcher's) (got 'fp8')"),
     (["--dataset", "/nonexistent/corpus.jsonl"], "dataset is not an existing file or folder"),
     (["--dataset", "missing.csv"], "dataset is not an existing file or folder"),
-    (["--warmup_steps", "500", "--max_steps", "100"], "warmup_steps must be < max_steps (100)"),
+    (["--warmup_steps", "500", "--max_steps", "100"], "warmup_steps must be -1 (auto) or in [0, max_steps (100))"),
+    (["--warmup_steps", "30", "--max_steps", "30"], "warmup_steps must be -1 (auto) or in [0, max_steps (30))"),
+    (["--init_from", "/no/such/model.safetensors"], "init_from is not an existing checkpoint"),
     (["--n_embd", "100", "--n_head", "3"], "n_embd must be divisible by n_head (3)"),
     (["--tracker", "mlflow"], "tracker entries must be among none, wandb, tensorboard"),
     (["--resume", "/no/such/checkpoint"], "resume must be '', 'latest' or an existing folder"),

@@ -54,7 +54,7 @@ def test_logger_is_a_no_op_off_the_main_process(tmp_path):
     log.start(0, {"processes": 2})
     log.start_trackers("abc")
     log.log(1, {"loss": 1.0})
-    log.preempted(1, "SIGTERM", "somewhere")
+    log.stopped(1, "SIGTERM", "somewhere")
     log.close()
     assert not (tmp_path / "run").exists()
 
