@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import checkpoint
+import resume as resuming
 from checkpoint import CheckpointError, TrainState, latest_checkpoint
 from config import RunError, TrainConfig
 from model import build_model
@@ -39,10 +40,10 @@ def save_checkpoint(plumbing, cfg, model, optimizer, state):
 
 
 def load_checkpoint(plumbing, cfg, folder, model, optimizer, identity=IDENTITY):
-    problem = checkpoint.checkpoint_problem(folder)
+    problem = resuming.checkpoint_problem(folder)
     if problem and "refused" not in problem:
         raise CheckpointError(problem)
-    return checkpoint.load_checkpoint(plumbing, cfg, folder, model, optimizer, identity)
+    return resuming.load_checkpoint(plumbing, cfg, folder, model, optimizer, identity)
 
 
 def setup(tmp_path, **kw):
@@ -120,7 +121,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
 
 def forge_manifest(path, name):
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"][name] = {"bytes": (path / name).stat().st_size, "xxh3_64": checkpoint._digest(path / name)}
+    manifest["files"][name] = {"bytes": (path / name).stat().st_size, "xxh3_64": checkpoint.file_digest(path / name)}
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -153,11 +154,11 @@ def test_a_tampered_or_truncated_file_fails_the_manifest(tmp_path):
     path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
     data = (path / "optimizer.pt").read_bytes()
     (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
-    assert checkpoint.checkpoint_problem(path) == f"optimizer.pt is missing or not {len(data)} bytes"
+    assert resuming.checkpoint_problem(path) == f"optimizer.pt is missing or not {len(data)} bytes"
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0xFF  # same size, one byte changed
     (path / "optimizer.pt").write_bytes(bytes(flipped))
-    assert "optimizer.pt does not match its checksum" in checkpoint.checkpoint_problem(path)
+    assert "optimizer.pt does not match its checksum" in resuming.checkpoint_problem(path)
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_anything_changes(tmp_path):
@@ -188,7 +189,7 @@ def test_a_folder_that_is_not_a_checkpoint(tmp_path):
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("hello")
-    assert "no readable manifest.json" in checkpoint.checkpoint_problem(junk)
+    assert "no readable manifest.json" in resuming.checkpoint_problem(junk)
     path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
     (path / "model.safetensors").write_bytes(pickle.dumps({"weights": 1}))
     forge_manifest(path, "model.safetensors")
@@ -209,7 +210,7 @@ class Log:
 
 def resume(cfg, model, optimizer, identity=IDENTITY):
     log = Log()
-    return checkpoint.resume_or_start(OneProcess(), cfg, model, optimizer, identity, log), log
+    return resuming.resume_or_start(OneProcess(), cfg, model, optimizer, identity, log), log
 
 
 def test_a_crash_between_the_two_renames_of_a_resave_leaves_a_resumable_folder(tmp_path):

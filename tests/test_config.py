@@ -33,7 +33,7 @@ def test_shipped_presets_load():
     (["--batch_size", "0"], "batch_size must be > 0 (got 0)"),
     (["--batch_size", "abc"], "batch_size must be an int (got 'abc')"),
     (["--lrr", "0.1"], "unknown key 'lrr' (did you mean 'lr'?)"),
-    (["--mixed_precision", "fp8"], "mixed_precision must be one of no, bf16, fp16 (or '' for the launcher's) (got 'fp8')"),
+    (["--mixed_precision", "fp8"], "mixed_precision must be one of no, bf16, fp16 (or '' for the launcher's)"),
     (["--dataset", "/nonexistent/corpus.jsonl"], "dataset is not an existing file or folder"),
     (["--dataset", "missing.csv"], "dataset is not an existing file or folder"),
     (["--warmup_steps", "500", "--max_steps", "100"], "warmup_steps must be -1 (auto) or in [0, max_steps (100))"),

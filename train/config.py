@@ -49,7 +49,7 @@ class TrainConfig:
     output_dir: str = ""  # the run folder; "" = a new runs/run_NNN (with --resume latest: the newest one)
     seed: int = 1337  # model init, data order and dropout all derive from it
     resume: str = ""  # "" = start fresh, "latest" = newest complete checkpoint in output_dir (or fresh), or a folder
-    init_from: str = ""  # start a NEW run (step 0, fresh optimizer) from these weights: a checkpoint, run folder or file
+    init_from: str = ""  # start a NEW run (step 0, new optimizer) from these weights: a checkpoint, run folder or file
     # ---- tracking
     tracker: str = "none"  # none | wandb | tensorboard, or several comma-separated ("wandb,tensorboard")
     project: str = "accelerate-template"  # W&B / TensorBoard project name (WANDB_PROJECT wins if set)

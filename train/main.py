@@ -22,16 +22,16 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-import torch.distributed as dist
-
-from checkpoint import TrainState, export_model, latest_checkpoint, resume_or_start, save_checkpoint
+from checkpoint import TrainState, export_model, latest_checkpoint, save_checkpoint
 from config import ConfigError, RunError, TrainConfig, first_line, load_config
 from data import EpochSampler, build_datasets, collate, data_identity
 from job import Preempted, StopSignals, claim_run_folder, stop_signals, try_lock_run_folder
 from model import build_model, causal_lm_loss
 from optim import build_optimizer, lr_at, set_lr
+from resume import resume_or_start
 from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id, write_preempted_marker
 
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the rest.
