@@ -157,5 +157,15 @@ def baseline(tmp_path_factory, corpus) -> Run:
     return launch_accelerate(baseline_args(out, corpus), out.parent).check()
 
 
+def assert_matches_baseline(run_dir, baseline):
+    reference, resumed = load_weights(baseline.output_dir / "model.safetensors"), load_weights(
+        run_dir / "model.safetensors")
+    assert reference.keys() == resumed.keys()
+    different = [k for k in reference if not torch.equal(reference[k], resumed[k])]
+    assert not different, f"weights differ from the uninterrupted run: {different[:3]}"
+    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+    assert losses == baseline.losses()  # every step 1..24, interrupted part and replayed part alike
+
+
 def baseline_args(output_dir: Path, corpus: Path, **overrides) -> list[str]:
     return tiny_args(output_dir, corpus, dropout=0.1, grad_accum_steps=2, **overrides)

@@ -113,7 +113,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
     state.tracker_run_id = state.tracker_run_id or new_run_id()  # a resumed run continues its W&B run
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
-    log.start(state.step, {**environment_info(), "processes": accelerator.num_processes,
+    log.start(state.step, {"output_dir": cfg.output_dir, **environment_info(), "processes": accelerator.num_processes,
                            "mixed_precision": accelerator.mixed_precision,
                            "global_batch_size": global_batch, "tokens_per_step": global_batch * cfg.block_size,
                            "train_samples": len(train_set), "eval_samples": len(eval_set),

@@ -12,31 +12,20 @@ import subprocess
 import time
 
 import pytest
-import torch
 
 from conftest import (
     FAULTY_MAIN,
     accelerate_cmd,
+    assert_matches_baseline,
     base_env,
     baseline_args,
     launch_accelerate,
-    load_weights,
     read_metrics,
     run_python,
     tiny_args,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def assert_matches_baseline(run_dir, baseline):
-    reference, resumed = load_weights(baseline.output_dir / "model.safetensors"), load_weights(
-        run_dir / "model.safetensors")
-    assert reference.keys() == resumed.keys()
-    different = [k for k in reference if not torch.equal(reference[k], resumed[k])]
-    assert not different, f"weights differ from the uninterrupted run: {different[:3]}"
-    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-    assert losses == baseline.losses()  # every step 1..24, interrupted part and replayed part alike
 
 
 def resume(run_dir, corpus, tmp_path):

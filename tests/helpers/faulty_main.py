@@ -5,12 +5,20 @@ Environment variables, each optional, read once at start-up:
     FAULT_RANK=r          only on global rank r (default: every rank)
     FAULT_ACTION=sigterm  send SIGTERM to this process (a preemption: checkpoint and exit)
                  sigusr1  send SIGUSR1 (SLURM's advance warning with --signal)
+                 sigint   send SIGINT (Ctrl-C)
                  sigkill  SIGKILL this process (a crashed node)
+    FAULT_STARTUP=action  the same actions, while the datasets are being prepared (start-up)
     FAULT_SAVE_AT=name    SIGKILL this process inside a checkpoint save, at the point `name`:
                           after_model | after_shared | before_publish
     FAULT_SAVE_NUMBER=n   ... inside the n-th save of this process (default 1)
     FAULT_ONCE=path       only if this file does not exist yet (it is created): a relaunch runs clean
     FAULT_NAN_STEP=k      from optimizer step k on, the training loss is nan (a diverged run)
+    FAULT_INF_GRAD_STEP=k at optimizer step k, the gradients are inf while the loss stays finite
+    FAULT_KILL_EVENT=n    SIGKILL at the n-th event of this process: a collective decision (start-up,
+                          each phase of a save, export), a logging step, writing the shared files of a
+                          save, pruning (after a publish), preparing the data (fuzzing, see test_fuzz)
+    FAULT_DISK_FULL_STEP=k  writing the metrics row of step k fails with ENOSPC (a full disk outside a save)
+    FAULTY_ENTRY=torch_ddp  run train/torch_ddp.py's main() instead of train/main.py's
     RECORD_SAMPLES=dir    each rank writes the train sample indices it drew to dir/rank{r}.json
 """
 
@@ -20,12 +28,15 @@ import signal
 import sys
 from pathlib import Path
 
+SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}
+
 TRAIN_DIR = Path(__file__).resolve().parents[2] / "train"
 sys.path.insert(0, str(TRAIN_DIR))
 
 import checkpoint  # noqa: E402
 import job  # noqa: E402
 import main  # noqa: E402
+import resume  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -48,7 +59,7 @@ def inject_step_fault(step: int, action: str) -> None:
     def requested(self, plumbing):
         boundaries["n"] += 1
         if boundaries["n"] == step and armed():
-            os.kill(os.getpid(), {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1}.get(action, signal.SIGKILL))
+            os.kill(os.getpid(), SIGNALS[action])
         return original(self, plumbing)
 
     job.StopSignals.requested = requested
@@ -111,6 +122,67 @@ def inject_nan_loss(step: int) -> None:
     main.build_model = build_model
 
 
+def inject_startup_signal(action: str) -> None:
+    original_build = main.build_datasets
+
+    def build_datasets(cfg):
+        if armed():
+            os.kill(os.getpid(), SIGNALS[action])
+        return original_build(cfg)
+
+    main.build_datasets = build_datasets
+
+
+def inject_inf_grads(step: int) -> None:
+    original_build = main.build_model
+
+    def build_model(cfg):
+        model = original_build(cfg)
+        if armed():
+            calls = {"n": 0}
+
+            def blow_up(grad):
+                calls["n"] += 1  # once per micro-step
+                return grad * float("inf") if calls["n"] == step * cfg.grad_accum_steps else grad
+
+            model.wte.weight.register_hook(blow_up)
+        return model
+
+    main.build_model = build_model
+
+
+def kill_at_event(n: int) -> None:
+    """Count the moments where a crash hurts most and SIGKILL this process at the n-th."""
+    events = {"n": 0}
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            events["n"] += 1
+            if events["n"] == n and armed():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    job.collectively = checkpoint.collectively = resume.collectively = counted(job.collectively)
+    checkpoint.write_shared_files = counted(checkpoint.write_shared_files)
+    checkpoint.prune_checkpoints = counted(checkpoint.prune_checkpoints)
+    job.StopSignals.requested = counted(job.StopSignals.requested)
+    main.build_datasets = counted(main.build_datasets)
+
+
+def inject_disk_full(step: int) -> None:
+    import tracking
+
+    original_log = tracking.MetricsLogger.log
+
+    def log(self, at_step, metrics):
+        if at_step == step and self.enabled and armed():
+            raise OSError(28, "No space left on device", str(self.output_dir / "metrics.jsonl"))
+        return original_log(self, at_step, metrics)
+
+    tracking.MetricsLogger.log = log
+
+
 def record_samples(folder: str) -> None:
     """Wrap the train dataset so each rank records the indices it actually loaded and trained on."""
     import torch
@@ -150,6 +222,19 @@ if __name__ == "__main__":
         inject_save_fault(os.environ["FAULT_SAVE_AT"], int(os.environ.get("FAULT_SAVE_NUMBER", "1")))
     if "FAULT_NAN_STEP" in os.environ:
         inject_nan_loss(int(os.environ["FAULT_NAN_STEP"]))
+    if "FAULT_STARTUP" in os.environ:
+        inject_startup_signal(os.environ["FAULT_STARTUP"])
+    if "FAULT_INF_GRAD_STEP" in os.environ:
+        inject_inf_grads(int(os.environ["FAULT_INF_GRAD_STEP"]))
+    if "FAULT_KILL_EVENT" in os.environ:
+        kill_at_event(int(os.environ["FAULT_KILL_EVENT"]))
+    if "FAULT_DISK_FULL_STEP" in os.environ:
+        inject_disk_full(int(os.environ["FAULT_DISK_FULL_STEP"]))
     if "RECORD_SAMPLES" in os.environ:
         record_samples(os.environ["RECORD_SAMPLES"])
-    main.main()
+    if os.environ.get("FAULTY_ENTRY") == "torch_ddp":
+        import torch_ddp
+
+        torch_ddp.main()
+    else:
+        main.main()
