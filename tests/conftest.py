@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -66,7 +67,8 @@ class Run:
     def tail(self, n: int = 40) -> str:
         """The last lines, after any `error:` line (the launcher's traceback would hide it)."""
         lines = self.output.splitlines()
-        errors = [line for line in lines if line.startswith("error:")]
+        errors = [line for line in lines if line.startswith("error:") or re.match(r"\[rank\d\]:\s*\w+(Error|Exception)\b",
+                                                                             line) or re.match(r"\w+(Error|Exception): ", line)]
         return "\n".join(errors + ["..."] + lines[-n:])
 
     def check(self, expected: int = 0) -> Run:

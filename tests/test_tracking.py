@@ -52,7 +52,7 @@ def test_logger_is_a_no_op_off_the_main_process(tmp_path):
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
     log = MetricsLogger(cfg, NotMain())
     log.start(0, {"processes": 2})
-    log.start_trackers("abc")
+    log.start_trackers("abc", 0)
     log.log(1, {"loss": 1.0})
     log.stopped(1, "SIGTERM", "somewhere")
     log.close()
@@ -62,7 +62,9 @@ def test_logger_is_a_no_op_off_the_main_process(tmp_path):
 def test_wandb_arguments_come_from_config_and_never_hold_a_key(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "sk-should-not-appear")
     cfg = TrainConfig(output_dir=str(tmp_path / "exp1"), wandb_tags="a,b", wandb_group="sweep")
-    kwargs = wandb_init_kwargs(cfg, "run123")
+    kwargs = wandb_init_kwargs(cfg, "run123", 0)
     assert kwargs == {"name": "exp1", "id": "run123", "resume": "allow", "dir": str(tmp_path / "exp1"),
                       "group": "sweep", "tags": ["a", "b"]}
     assert "sk-should-not-appear" not in json.dumps(kwargs)
+    rewind = wandb_init_kwargs(cfg, "run123", 40)  # a resume rewinds the W&B run to the checkpoint's step
+    assert rewind["resume_from"] == "run123?_step=40" and "id" not in rewind and "resume" not in rewind

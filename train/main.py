@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
                            "global_batch_size": global_batch, "tokens_per_step": global_batch * cfg.block_size,
                            "train_samples": len(train_set), "eval_samples": len(eval_set),
                            "parameters": sum(p.numel() for p in plain_model.parameters())})
-    log.start_trackers(state.tracker_run_id)
+    log.start_trackers(state.tracker_run_id, state.step)
     batches = micro_batches(train_loader, sampler, cfg, accelerator.num_processes, state)
     throughput = Throughput(global_batch, global_batch * cfg.block_size, flops_per_token(plain_model),
                             accelerator.num_processes, accelerator.mixed_precision)

@@ -54,8 +54,10 @@ class MetricsLogger:
         for key, value in run_info.items():
             self.info(f"{key}: {value}")
 
-    def start_trackers(self, run_id: str) -> None:
-        """Start the configured trackers on the main process; W&B that cannot start falls back to offline."""
+    def start_trackers(self, run_id: str, resumed_step: int) -> None:
+        """Start the configured trackers on the main process. W&B: a resumed run rewinds its W&B run to the
+        checkpoint's step (the steps a crashed run logged after it are logged again); a server without rewind
+        gets a plain resume, and one that cannot be reached, offline mode."""
         names = self.cfg.trackers()
         if "wandb" in names and importlib.util.find_spec("wandb") is None:
             self.warn("tracker wandb: the wandb package is not installed (pip install wandb); not logging to W&B")
@@ -63,21 +65,24 @@ class MetricsLogger:
         if not names or not self.enabled:
             return
         project = os.environ.get("WANDB_PROJECT") or self.cfg.project
-        init_kwargs = {"wandb": wandb_init_kwargs(self.cfg, run_id)}
-        for fallback in (False, True):
+        first = wandb_init_kwargs(self.cfg, run_id, resumed_step)
+        attempts = [first, *([wandb_init_kwargs(self.cfg, run_id, 0)] if resumed_step else []),
+                    {**first, "mode": "offline"}]  # offline keeps the rewind: `wandb sync` applies it
+        for number, wandb_kwargs in enumerate(attempts, 1):
             try:
-                self.plumbing.init_trackers(project, config=to_dict(self.cfg), init_kwargs=init_kwargs)
+                self.plumbing.init_trackers(project, config=to_dict(self.cfg), init_kwargs={"wandb": wandb_kwargs})
                 break
-            except Exception as e:  # no API key, no network, server down: training goes on
+            except Exception as e:  # no API key, no network, server down, no rewind: training goes on
                 if "wandb" not in names:
                     raise
                 finish_trackers(self.plumbing)
                 import wandb
 
                 wandb.teardown()  # the failed run still holds its id in W&B's service process
-                then = "trackers off (metrics.jsonl goes on)" if fallback else "logging to W&B offline instead"
+                then = ("trackers off (metrics.jsonl goes on)" if number == len(attempts) else
+                        "logging to W&B offline instead" if number == len(attempts) - 1 else
+                        "trying a resume without rewinding the W&B run")
                 self.warn(f"W&B could not start ({first_line(e)}); {then}")
-                init_kwargs["wandb"]["mode"] = "offline"
         wandb_run = next((t.tracker for t in self.plumbing.trackers if t.name == "wandb"), None)
         if wandb_run is not None and wandb_run.settings.mode == "offline":
             self.info(f"W&B is offline: upload this run later with `wandb sync {wandb_run.dir.rsplit('/', 1)[0]}`")
@@ -138,11 +143,15 @@ def write_preempted_marker(output_dir: str, step: int, signal_name: str, checkpo
     (Path(output_dir) / PREEMPTED_MARKER).write_text(json.dumps(record) + "\n")
 
 
-def wandb_init_kwargs(cfg: TrainConfig, run_id: str) -> dict:
-    """wandb.init arguments: the run id from the checkpoint continues the same run after a resume.
-    Entity, tags and group fall back to WANDB_ENTITY / WANDB_TAGS / WANDB_RUN_GROUP; the API key only
-    ever comes from WANDB_API_KEY or `wandb login`."""
-    kwargs = {"name": cfg.run_label, "id": run_id, "resume": "allow", "dir": cfg.output_dir}
+def wandb_init_kwargs(cfg: TrainConfig, run_id: str, resumed_step: int) -> dict:
+    """wandb.init arguments: the run id from the checkpoint continues the same W&B run after a resume, rewound
+    to the checkpoint's step (`resume_from`). Entity, tags and group fall back to WANDB_ENTITY / WANDB_TAGS /
+    WANDB_RUN_GROUP; the API key only ever comes from WANDB_API_KEY or `wandb login`."""
+    kwargs = {"name": cfg.run_label, "dir": cfg.output_dir}
+    if resumed_step:
+        kwargs["resume_from"] = f"{run_id}?_step={resumed_step}"
+    else:
+        kwargs.update(id=run_id, resume="allow")
     optional = {"entity": cfg.wandb_entity, "group": cfg.wandb_group,
                 "tags": [t for t in cfg.wandb_tags.split(",") if t]}
     return {**kwargs, **{k: v for k, v in optional.items() if v}}
