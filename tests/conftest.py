@@ -58,6 +58,9 @@ def tiny_args(output_dir: Path, dataset: Path, **overrides) -> list[str]:
     return args
 
 
+WORKER_EXCEPTION = re.compile(r"(\[rank\d+\]:\s*)?\w+(Error|Exception): ")  # the last line of a worker's traceback
+
+
 class Run:
     """A finished launch: exit code, output, and what it wrote."""
 
@@ -67,8 +70,7 @@ class Run:
     def tail(self, n: int = 40) -> str:
         """The last lines, after any `error:` line (the launcher's traceback would hide it)."""
         lines = self.output.splitlines()
-        errors = [line for line in lines if line.startswith("error:") or re.match(r"\[rank\d\]:\s*\w+(Error|Exception)\b",
-                                                                             line) or re.match(r"\w+(Error|Exception): ", line)]
+        errors = [line for line in lines if line.startswith("error:") or WORKER_EXCEPTION.match(line)]
         return "\n".join(errors + ["..."] + lines[-n:])
 
     def check(self, expected: int = 0) -> Run:
