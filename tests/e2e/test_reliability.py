@@ -60,12 +60,15 @@ def test_sigterm_during_start_up_is_a_clean_preemption(tmp_path, corpus):
     assert "stopped during start-up on SIGTERM" in stopped.output and "Traceback" not in stopped.output
     marker = json.loads((run_dir / "preempted.json").read_text())
     assert marker["step"] == 6 and marker["checkpoint"].endswith("step_00000006")
+    run_python(args, tmp_path).check()  # the requeued job finishes
+    assert not (run_dir / "preempted.json").exists()
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == list(range(1, 13))
     # under a launcher, every rank gets the signal while the datasets are prepared
-    stopped = launch_accelerate(args, tmp_path, script=FAULTY_MAIN, env_extra={"FAULT_STARTUP": "sigterm"})
-    assert "exitcode  : 75" in stopped.output and (run_dir / "preempted.json").exists(), stopped.tail()
-    launch_accelerate(args, tmp_path).check()  # the requeued job finishes
-    assert not (run_dir / "preempted.json").exists() and sorted(r["step"] for r in read_metrics(run_dir)
-                                                                 if "loss" in r) == list(range(1, 13))
+    fresh = tmp_path / "fresh"
+    stopped = launch_accelerate([*tiny_args(fresh, corpus, max_steps=6), "--resume", "latest"], tmp_path,
+                                script=FAULTY_MAIN, env_extra={"FAULT_STARTUP": "sigterm"})
+    assert "exitcode  : 75" in stopped.output, stopped.tail()
+    assert json.loads((fresh / "preempted.json").read_text()) == {"step": 0, "signal": "SIGTERM", "checkpoint": None}
 
 
 def test_a_save_between_logging_steps_never_commits_nan_weights(tmp_path, corpus):
@@ -136,7 +139,7 @@ def test_a_second_job_on_the_same_run_folder_is_refused_until_the_first_dies(tmp
 
 def test_resume_refuses_changed_data_and_init_from_starts_over(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    run_python(tiny_args(run_dir, corpus, max_steps=4, save_every=4), tmp_path).check()
+    run_python(tiny_args(run_dir, corpus, max_steps=4, save_every=4, warmup_steps=1), tmp_path).check()
     refused = run_python([*tiny_args(run_dir, corpus, max_steps=8, seed=7), "--resume", "latest"], tmp_path)
     assert refused.returncode == 2
     assert error_lines(refused.output) == [
@@ -144,10 +147,12 @@ def test_resume_refuses_changed_data_and_init_from_starts_over(tmp_path, corpus)
         f"would continue a different data order; to change them on purpose, start a new run with --init_from "
         f"{run_dir / 'checkpoints' / 'step_00000004'}"], refused.tail()
     other = tmp_path / "other.jsonl"
-    other.write_text(corpus.read_text().replace("e", "E"))
-    refused = run_python([*tiny_args(run_dir, corpus, max_steps=8, dataset=other), "--resume", "latest"], tmp_path)
+    other.write_text("".join(json.dumps({"text": json.loads(line)["text"].upper()}) + "\n"
+                             for line in corpus.read_text().splitlines()))
+    refused = run_python([*tiny_args(run_dir, other, max_steps=8), "--resume", "latest"], tmp_path)
     assert refused.returncode == 2 and "dataset " in error_lines(refused.output)[0]
-    fresh = run_python([*tiny_args(tmp_path / "new", corpus, max_steps=4, dataset=other), "--init_from", run_dir],
+    fresh = run_python([*tiny_args(tmp_path / "new", other, max_steps=4, warmup_steps=1),
+                        "--init_from", run_dir],
                        tmp_path).check()
     assert f"init_from: weights of {run_dir / 'model.safetensors'}" in fresh.output
     assert [r["step"] for r in read_metrics(tmp_path / "new") if "loss" in r] == [1, 2, 3, 4]
@@ -155,11 +160,11 @@ def test_resume_refuses_changed_data_and_init_from_starts_over(tmp_path, corpus)
 
 def test_a_torn_metrics_line_and_a_malformed_data_file(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    run_python(tiny_args(run_dir, corpus, max_steps=4, save_every=2), tmp_path).check()
+    run_python(tiny_args(run_dir, corpus, max_steps=5, save_every=2), tmp_path).check()
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write('{"step": 5, "lo')  # a crash in the middle of a write
-    run_python([*tiny_args(run_dir, corpus, max_steps=6, save_every=2), "--resume", "latest"], tmp_path).check()
-    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+        f.write('{"step": 6, "lo')  # a crash in the middle of a write
+    run_python([*tiny_args(run_dir, corpus, max_steps=7, save_every=2), "--resume", "latest"], tmp_path).check()
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2, 3, 4, 5, 6, 7]
     broken = tmp_path / "broken.jsonl"
     broken.write_text(corpus.read_text() + '{"text": "unterminated\n')
     failed = run_python(tiny_args(tmp_path / "other", broken), tmp_path)
