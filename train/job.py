@@ -1,5 +1,10 @@
 """The job around the loop: its run folder (a fresh runs/run_NNN unless --output_dir names one) with one
-owner at a time, decisions every process takes together, and the signals that stop it.
+owner at a time, decisions every process takes together, the signals that stop it, and how it ends:
+
+    0 finished   2 a refused input (config, run folder in use, checkpoint that does not fit)
+    75 preempted, with a checkpoint (requeue me)   130 stopped by Ctrl-C   1 any other failure
+
+with at most one `error: ...` line per job, and no process left waiting on one that failed.
 
 The lock is an OS lock (flock) on <output_dir>/.lock, taken by each process that writes the run's files
 (the main process; with --shared_filesystem false, each node's local main process) before anything is
@@ -15,13 +20,18 @@ import fcntl
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from config import ConfigError, RunError, first_line
+from config import ConfigError, RunError, TrainConfig, first_line, load_config
+from tracking import write_preempted_marker
 
+# Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the rest.
+OTHER_RANKS_ERROR_DELAY_S = 5.0
 RUNS_ROOT = Path("runs")
 RUN_NAME = re.compile(r"run_(\d+)")
 _held_locks = []  # open until the process exits: closing the file would release the lock
@@ -151,3 +161,70 @@ class StopSignals:
 
 
 stop_signals = StopSignals()
+
+
+# ---------------------------------------------------------------- how a job ends: one exit code, at most one line
+
+
+def load_config_or_exit(argv) -> TrainConfig:
+    try:
+        return load_config(argv)
+    except ConfigError as e:
+        exit_with_error(e)
+
+
+def check_world_size(num_processes: int) -> None:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != num_processes:
+        raise ConfigError(f"the launcher started {launched} processes but this one sees a world of "
+                          f"{num_processes}: they would train independently and overwrite each other's files")
+
+
+def run_or_exit(train_fn, cfg, make_plumbing) -> None:
+    """Run a training job and turn every way it ends into an exit code and at most one line:
+    0 done, 2 a refused input, 75 preempted (130 after Ctrl-C), 1 any other failure."""
+    stop_signals.install()  # before anything slow starts: a signal during start-up is a clean stop too
+    plumbing = None
+    try:
+        plumbing = make_plumbing(cfg)
+        code = train_fn(cfg, plumbing)
+    except Preempted:
+        code = stopped_before_training(cfg, plumbing)
+    except KeyboardInterrupt:  # the second Ctrl-C: stop now, without a checkpoint
+        code = StopSignals.INTERRUPTED_EXIT_CODE
+    except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem, on any write
+        exit_with_error(e)
+    except dist.DistError as e:  # this process's peer died or hung: that process says why
+        exit_with_error(RunError(f"lost contact with another process ({first_line(e)})"))
+    finally:
+        getattr(plumbing, "close", lambda: None)()
+    sys.exit(code)
+
+
+def stopped_before_training(cfg, plumbing) -> int:
+    """A signal during start-up: nothing new to save. Leave the requeue marker if the run folder is ours."""
+    rank0 = plumbing.is_main_process if plumbing is not None else os.environ.get("RANK", "0") == "0"
+    if rank0 and cfg.output_dir and stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE \
+            and try_lock_run_folder(cfg.output_dir):
+        from checkpoint import latest_checkpoint  # checkpoint.py imports this module
+
+        newest = latest_checkpoint(cfg.output_dir)
+        write_preempted_marker(cfg.output_dir, int(newest.name.split("_")[1]) if newest else 0,
+                               stop_signals.signal_name, str(newest) if newest else None)
+    print(f"stopped during start-up on {stop_signals.signal_name}: nothing trained yet; "  # noqa: T201
+          f"start again with --resume latest", file=sys.stderr)
+    return stop_signals.exit_code
+
+
+def exit_with_error(error: Exception) -> None:
+    """Print `error: ...` and exit with the error's code, once per job rather than once per rank.
+
+    Usually every rank hits the same error, and the launcher kills the other ranks the moment one
+    exits. So rank 0 speaks at once and the others wait first: if rank 0 failed too they are killed
+    before they repeat it, and an error that is theirs alone (a file missing on one node) still shows.
+    """
+    if os.environ.get("RANK", "0") != "0":
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's kill is not a preemption here
+        time.sleep(OTHER_RANKS_ERROR_DELAY_S)
+    print(f"error: {error}", file=sys.stderr)  # noqa: T201 - our messages, and OSError's, are one line
+    sys.exit(getattr(error, "exit_code", 1))

@@ -14,28 +14,20 @@ marked fork points in model.py and data.py; nothing here should need to change.
 from __future__ import annotations
 
 import math
-import os
-import signal
-import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from checkpoint import TrainState, export_model, latest_checkpoint, save_checkpoint
-from config import ConfigError, RunError, TrainConfig, first_line, load_config
+from config import ConfigError, RunError, TrainConfig
 from data import EpochSampler, build_datasets, collate, data_identity
-from job import Preempted, StopSignals, claim_run_folder, stop_signals, try_lock_run_folder
+from job import check_world_size, claim_run_folder, load_config_or_exit, run_or_exit, stop_signals
 from model import build_model, causal_lm_loss
 from optim import build_optimizer, lr_at, set_lr
 from resume import resume_or_start
-from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id, write_preempted_marker
-
-# Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the rest.
-OTHER_RANKS_ERROR_DELAY_S = 5.0
+from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,7 +143,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
             log.log(state.step, {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "epoch": state.epoch,
                                  "tokens_seen": state.tokens_seen, **throughput.report()})
             if not math.isfinite(mean_loss) or bad_grads:  # the same reduced values on every rank: all stop here
-                raise TrainingDiverged(state.step, mean_loss, bad_grads, latest_checkpoint(cfg.output_dir))
+                raise TrainingDiverged(state.step, mean_loss, latest_checkpoint(cfg.output_dir))
             stopping = stop_signals.requested(accelerator)  # collective: every rank stops at the same step
         log.advance()
         if state.step % cfg.eval_every == 0 or is_last:
@@ -218,13 +210,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def check_world_size(num_processes: int) -> None:
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != num_processes:
-        raise ConfigError(f"the launcher started {launched} processes but this one sees a world of "
-                          f"{num_processes}: they would train independently and overwrite each other's files")
-
-
 def check_data_size(num_samples: int, cfg: TrainConfig, num_processes: int) -> None:
     needed = cfg.batch_size * cfg.grad_accum_steps * num_processes
     if num_samples < needed:
@@ -233,68 +218,13 @@ def check_data_size(num_samples: int, cfg: TrainConfig, num_processes: int) -> N
                           f"{cfg.grad_accum_steps} = {needed} blocks")
 
 
-def load_config_or_exit(argv) -> TrainConfig:
-    try:
-        return load_config(argv)
-    except ConfigError as e:
-        exit_with_error(e)
-
-
 class TrainingDiverged(RunError):
     """The loss or the gradients went nan or inf. Stop: going on would only save broken weights."""
 
-    def __init__(self, step: int, loss: float, bad_grads: float, last_checkpoint: Path | None):
+    def __init__(self, step: int, loss: float, last_checkpoint: Path | None):
         what = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm was not finite"
         where = f"resume from {last_checkpoint}" if last_checkpoint else "no checkpoint was saved; start again"
         super().__init__(f"{what} at step {step}: training diverged; {where} with a lower lr or more warmup_steps")
-
-
-def run_or_exit(train_fn, cfg, make_plumbing) -> None:
-    """Run a training job and turn every way it ends into an exit code and at most one line:
-    0 done, 2 a refused input, 75 preempted (130 after Ctrl-C), 1 any other failure."""
-    stop_signals.install()  # before anything slow starts: a signal during start-up is a clean stop too
-    plumbing = None
-    try:
-        plumbing = make_plumbing(cfg)
-        code = train_fn(cfg, plumbing)
-    except Preempted:
-        code = stopped_before_training(cfg, plumbing)
-    except KeyboardInterrupt:  # the second Ctrl-C: stop now, without a checkpoint
-        code = StopSignals.INTERRUPTED_EXIT_CODE
-    except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem, on any write
-        exit_with_error(e)
-    except dist.DistError as e:  # this process's peer died or hung: that process says why
-        exit_with_error(RunError(f"lost contact with another process ({first_line(e)})"))
-    finally:
-        getattr(plumbing, "close", lambda: None)()
-    sys.exit(code)
-
-
-def stopped_before_training(cfg, plumbing) -> int:
-    """A signal during start-up: nothing new to save. Leave the requeue marker if the run folder is ours."""
-    rank0 = plumbing.is_main_process if plumbing is not None else os.environ.get("RANK", "0") == "0"
-    if rank0 and cfg.output_dir and stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE \
-            and try_lock_run_folder(cfg.output_dir):
-        newest = latest_checkpoint(cfg.output_dir)
-        write_preempted_marker(cfg.output_dir, int(newest.name.split("_")[1]) if newest else 0,
-                               stop_signals.signal_name, str(newest) if newest else None)
-    print(f"stopped during start-up on {stop_signals.signal_name}: nothing trained yet; "  # noqa: T201
-          f"start again with --resume latest", file=sys.stderr)
-    return stop_signals.exit_code
-
-
-def exit_with_error(error: Exception) -> None:
-    """Print `error: ...` and exit with the error's code, once per job rather than once per rank.
-
-    Usually every rank hits the same error, and the launcher kills the other ranks the moment one
-    exits. So rank 0 speaks at once and the others wait first: if rank 0 failed too they are killed
-    before they repeat it, and an error that is theirs alone (a file missing on one node) still shows.
-    """
-    if os.environ.get("RANK", "0") != "0":
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's kill is not a preemption here
-        time.sleep(OTHER_RANKS_ERROR_DELAY_S)
-    print(f"error: {error}", file=sys.stderr)  # noqa: T201 - our messages, and OSError's, are one line
-    sys.exit(getattr(error, "exit_code", 1))
 
 
 if __name__ == "__main__":

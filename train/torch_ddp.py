@@ -29,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from config import ConfigError, TrainConfig
-from main import check_world_size, exit_with_error, load_config_or_exit, run_or_exit, train
+from job import check_world_size, exit_with_error, load_config_or_exit, run_or_exit
+from main import train
 
 
 class TorchDDP:
