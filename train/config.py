@@ -243,7 +243,14 @@ def _coerce(key: str, raw, type_name: str):
 
 def usage() -> str:
     """--help text: each key with its type, default and the comment beside it in TrainConfig."""
-    comments = dict(re.findall(r"^\s+(\w+): \w+ = .*?#\s*(.*)$", inspect.getsource(TrainConfig), re.M))
+    comments, key = {}, None
+    for line in inspect.getsource(TrainConfig).splitlines():  # a field's comment, with its continuation lines
+        if field := re.match(r"^\s+(\w+): \w+ = .*?#\s*(.*)$", line):
+            key, comments[field[1]] = field[1], field[2]
+        elif (more := re.match(r"^\s+#\s{2,}(.*)$", line)) and key:  # not a "# ---- section" line
+            comments[key] += " " + more[1]
+        else:
+            key = None
     lines = ["usage: main.py [--config FILE.yaml] [--key value ...]", ""]
     for f in fields(TrainConfig):
         lines.append(f"  --{f.name:<17} {f.type:<5} default {f.default!r:<24} {comments.get(f.name, '')}")

@@ -196,3 +196,15 @@ def test_fork_swaps_model_and_data_in_the_two_marked_places(tmp_path):
     with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == {"net.0.weight", "net.1.weight", "net.1.bias"}  # the fork's model was trained
     assert math.isfinite([r for r in run.metrics() if "eval_loss" in r][-1]["eval_loss"])
+
+
+def test_the_launch_config_sets_the_precision_unless_the_training_config_does(tmp_path, corpus):
+    """single_gpu.yaml says bf16: that is what the run uses (bf16 autocast works on CPU too), unless the
+    training config names a precision itself."""
+    single_gpu = REPO / "accelerate_configs" / "single_gpu.yaml"
+    for name, extra, expected in (("launcher", [], "bf16"), ("explicit", ["--mixed_precision", "no"], "no")):
+        out = tmp_path / name
+        launch_accelerate([*tiny_args(out, corpus, max_steps=5, save_every=0), *extra], tmp_path,
+                          num_processes=1, config=single_gpu).check()
+        assert json.loads((out / "run_info.json").read_text())["mixed_precision"] == expected, name
+    assert "wins over the launcher" in load_config.__globals__["usage"]()
