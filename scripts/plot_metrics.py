@@ -1,6 +1,6 @@
 """Plot loss and throughput curves from one or more metrics.jsonl files, without any tracker.
 
-    python scripts/plot_metrics.py runs/default                         # writes runs/default/metrics.png
+    python scripts/plot_metrics.py runs/run_001                         # writes runs/run_001/metrics.png
     python scripts/plot_metrics.py runs/acc runs/ddp --out compare.png  # e.g. the Accelerate vs torch paths
 
 Each argument is a run folder or a metrics.jsonl file; curves are labelled by folder name.
