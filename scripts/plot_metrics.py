@@ -15,7 +15,17 @@ from pathlib import Path
 
 def read_rows(path: Path) -> list[dict]:
     path = path / "metrics.jsonl" if path.is_dir() else path
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line torn by a crash mid-write
+            continue
+    return rows
+
+
+PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm (before clipping)"),
+          ("tokens_per_s", "tokens/s (all processes)")]
 
 
 def plot(runs: dict[str, list[dict]], out: Path) -> None:
@@ -24,21 +34,23 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, rows in runs.items():
-        train = [r for r in rows if "loss" in r]
-        evals = [r for r in rows if "eval_loss" in r]
-        line, = loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{label} train")
-        if evals:
-            loss_ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color=line.get_color(),
-                         label=f"{label} eval")
-        speed_ax.plot([r["step"] for r in train if "tokens_per_s" in r],
-                      [r["tokens_per_s"] for r in train if "tokens_per_s" in r], label=label)
-    loss_ax.set(xlabel="step", ylabel="loss", title="loss")
-    speed_ax.set(xlabel="step", ylabel="tokens/s (all processes)", title="throughput")
-    for ax in (loss_ax, speed_ax):
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for number, (label, rows) in enumerate(runs.items()):
+        color = colors[number % len(colors)]  # one color per run, train and eval alike
+        for ax, (key, _title) in zip(axes.flat, PANELS, strict=True):
+            steps = [r["step"] for r in rows if r.get(key) is not None]
+            ax.plot(steps, [r[key] for r in rows if r.get(key) is not None], color=color,
+                    label=f"{label} train" if key == "loss" else label)
+            if key == "loss" and any("eval_loss" in r for r in rows):
+                evals = [r for r in rows if "eval_loss" in r]
+                ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color=color,
+                        label=f"{label} eval")
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
+        ax.set(xlabel="step", ylabel=key, title=title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.has_data():
+            ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=100)
 

@@ -16,7 +16,7 @@ SHIMS = {
                 'echo "scontrol $*" >> "$SHIM_LOG"',
     # srun: run the task once per node, as SLURM would, with that node's variables
     "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
-            'for node in 0 1; do SLURM_NODEID=$node SLURM_PROCID=$node "$@" || exit $?; done',
+            'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node SLURM_PROCID=$node "$@" || exit $?; done',
     "accelerate": 'echo "accelerate $*" >> "$SHIM_LOG"',
     "torchrun": 'echo "torchrun $*" >> "$SHIM_LOG"',
 }
@@ -42,12 +42,29 @@ def run_script(name, env):
     return result
 
 
-@pytest.mark.parametrize("name", ["accelerate_2node.sbatch", "torchrun_2node.sbatch"])
+@pytest.mark.parametrize("name", ["accelerate_2node.sbatch", "torchrun_2node.sbatch", "accelerate_1node.sbatch"])
 def test_scripts_parse(name):
     subprocess.run(["bash", "-n", str(SLURM / name)], check=True)
     text = (SLURM / name).read_text()
-    for directive in ("--nodes=2", "--gpus-per-node=8", "--signal=USR1@", "--requeue"):
+    nodes = 1 if "1node" in name else 2
+    for directive in (f"--nodes={nodes}", "--gpus-per-node=8", "--signal=USR1@", "--requeue"):
         assert f"#SBATCH {directive}" in text
+    for placeholder in ("##SBATCH --partition=", "##SBATCH --account="):  # one '#' away from active
+        assert placeholder in text
+    assert "source scripts/slurm/job_env.sh" in text
+
+
+def test_the_gpu_count_follows_the_allocation_and_data_is_read_offline(fake_slurm):
+    env, log = fake_slurm
+    run_script("accelerate_2node.sbatch", {**env, "SLURM_GPUS_ON_NODE": "4"})  # sbatch --gpus-per-node=4
+    assert all("--num_machines 2 --num_processes 8" in call for call in log.read_text().splitlines())
+    log.unlink()
+    run_script("accelerate_1node.sbatch", {**env, "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "4"})
+    [call] = log.read_text().splitlines()
+    assert call.startswith("accelerate launch --config_file accelerate_configs/8gpu.yaml --num_processes 4 ")
+    assert call.endswith(f"--output_dir {env['OUTPUT_DIR']} --resume latest")
+    job_env = (SLURM / "job_env.sh").read_text()
+    assert "export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}" in job_env and "data/prepare.py" in job_env
 
 
 def test_accelerate_script_starts_one_launcher_per_node(fake_slurm):
