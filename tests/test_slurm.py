@@ -16,7 +16,9 @@ SHIMS = {
                 'echo "scontrol $*" >> "$SHIM_LOG"',
     # srun: run the task once per node, as SLURM would, with that node's variables
     "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
-            'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node SLURM_PROCID=$node "$@" || exit $?; done',
+            'for node in $(seq 0 $((SLURM_NNODES - 1))); do\n'
+            '    SLURM_NODEID=$node SLURM_PROCID=$node "$@" || exit $?\n'
+            'done',
     "accelerate": 'echo "accelerate $*" >> "$SHIM_LOG"',
     "torchrun": 'echo "torchrun $*" >> "$SHIM_LOG"',
 }
