@@ -45,6 +45,11 @@ def test_shipped_presets_load():
     (["--dropout", "1.5"], "dropout must be in [0, 1)"),
     (["--compile", "maybe"], "compile must be a bool (got 'maybe')"),
     (["--lr"], "lr needs a value"),
+    (["--lr", "--max_steps", "20"], "lr needs a value (--lr VALUE; got the next flag --max_steps)"),
+    (["--lr_decay_steps", "-5"], "lr_decay_steps must be >= 0"),
+    (["--max_steps", "100", "--lr_decay_steps", "50", "--warmup_steps", "60"],
+     "warmup_steps must be -1 (auto) or in [0, lr_decay_steps (50))"),
+    (["--dataset", "a/b/c"], "dataset is not an existing file or folder"),
     (["stray"], "unexpected argument 'stray'"),
 ])
 def test_bad_values_name_the_key(argv, message):
@@ -104,3 +109,22 @@ def test_help_lists_every_key_with_its_comment(tmp_path):
     for key in ("--grad_accum_steps", "--mixed_precision", "--keep_last"):
         assert key in result.output
     assert "micro-steps per optimizer step" in result.output
+
+
+def test_a_path_typo_that_looks_like_a_hub_name_fails_at_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpora").mkdir()
+    with pytest.raises(ConfigError, match=r"dataset is not an existing file or folder \(there is a local folder "
+                                          r"'corpora/': a typo in the path\?\)"):
+        load_config(["--dataset", "corpora/my_text"])
+    assert load_config(["--dataset", "owner/name"]).dataset == "owner/name"  # still a hub name
+
+
+@pytest.mark.parametrize("script", ["train/main.py", "train/torch_ddp.py", "data/prepare.py"])
+def test_help_names_the_script_and_shows_whole_comments(tmp_path, script):
+    result = run_python(["--help"], tmp_path, script=REPO / script).check()
+    assert result.output.startswith(f"usage: {script} [--config FILE.yaml]"), result.output[:200]
+    line = next(line for line in result.output.splitlines() if line.strip().startswith("--shared_filesystem"))
+    assert line.rstrip().endswith("data prepared and checkpoints kept on every node")  # the comment's 2nd line too
+    precision = next(line for line in result.output.splitlines() if line.strip().startswith("--mixed_precision"))
+    assert "the launcher's" in precision and "wins over the launcher" in precision

@@ -21,6 +21,7 @@ def texts(n=40):
     return [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 3 for i in range(n)]
 
 
+@pytest.mark.shipped
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "csv", "parquet", "folder"])
 def test_local_formats_give_packed_blocks(tmp_path, kind):
     docs = texts()
@@ -52,6 +53,7 @@ def test_local_formats_give_packed_blocks(tmp_path, kind):
     assert "document" in decoded or "fox" in decoded or "lazy" in decoded
 
 
+@pytest.mark.shipped
 def test_packing_is_cached_between_runs(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl")
     first, _ = data.build_datasets(cfg_for(path))
@@ -63,6 +65,7 @@ def test_packing_is_cached_between_runs(tmp_path):
     assert torch.equal(first[5]["input_ids"], second[5]["input_ids"])
 
 
+@pytest.mark.shipped
 def test_eval_split_does_not_move_with_the_seed(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl")
     _, eval_a = data.build_datasets(cfg_for(path, seed=1))
@@ -70,6 +73,7 @@ def test_eval_split_does_not_move_with_the_seed(tmp_path):
     assert torch.equal(eval_a[:]["input_ids"], eval_b[:]["input_ids"])
 
 
+@pytest.mark.shipped
 def test_bad_datasets_are_one_line_errors(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"body": "x" * 400}) + "\n")
@@ -87,6 +91,7 @@ def test_bad_datasets_are_one_line_errors(tmp_path):
         data.build_datasets(cfg_for(tiny))
 
 
+@pytest.mark.shipped
 def test_python_stdlib_corpus_is_written_once(tmp_path):
     target = data.write_python_stdlib_corpus(tmp_path)
     rows = [json.loads(line) for line in target.read_text().splitlines()]
@@ -96,6 +101,7 @@ def test_python_stdlib_corpus_is_written_once(tmp_path):
     assert data.write_python_stdlib_corpus(tmp_path) == target and target.stat().st_mtime_ns == stamp
 
 
+@pytest.mark.shipped
 def test_hub_name_offline_is_a_fast_clear_error(tmp_path):
     result = run_python(["--dataset", "someone/no-such-dataset", "--output_dir", tmp_path / "out"], tmp_path,
                         timeout=120)
@@ -145,6 +151,7 @@ def test_global_batches_match_distributed_sampler(world, batch):
     assert torch_style == accelerate_style
 
 
+@pytest.mark.shipped
 def test_prepare_script_fills_the_cache_a_run_then_reuses(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl")
     result = run_python(["--dataset", path, "--block_size", 16], tmp_path, script=REPO / "data" / "prepare.py",

@@ -2,10 +2,13 @@
 
 import math
 
+import pytest
 import torch
 
 from config import TrainConfig
 from model import VOCAB_SIZE, build_model, causal_lm_loss
+
+pytestmark = pytest.mark.shipped  # the shipped GPT: a fork that swaps the model adapts or deletes these
 
 
 def tiny_cfg(**kw):
@@ -49,6 +52,12 @@ def test_overfits_one_batch():
     assert loss.item() < 0.2 * first
 
 
-def test_weights_are_tied():
+def test_weights_are_tied_and_stay_tied_through_safetensors(tmp_path):
+    from safetensors.torch import load_model, save_model
+
     model = build_model(tiny_cfg())
     assert model.lm_head.weight is model.wte.weight
+    save_model(model, str(tmp_path / "m.safetensors"))
+    loaded = build_model(tiny_cfg())
+    load_model(loaded, str(tmp_path / "m.safetensors"))
+    assert loaded.lm_head.weight is loaded.wte.weight and torch.equal(loaded.wte.weight, model.wte.weight)

@@ -36,3 +36,10 @@ def test_decay_only_on_matrices():
     counted = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
     assert counted == sum(p.numel() for p in model.parameters())  # the tied embedding counted once
     assert isinstance(decay["params"][0], torch.nn.Parameter)
+
+
+def test_the_schedule_ends_at_its_horizon_and_warmup_follows_it():
+    cfg = TrainConfig(lr=1.0, min_lr=0.1, max_steps=200, lr_decay_steps=100)
+    assert cfg.warmup == 10  # lr_decay_steps // 10
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    assert all(lr_at(s, cfg) == pytest.approx(0.1) for s in range(100, 200))  # extended at min_lr

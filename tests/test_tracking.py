@@ -10,6 +10,7 @@ from model import build_model
 from tracking import MetricsLogger, Throughput, flops_per_token, peak_flops_per_gpu, wandb_init_kwargs
 
 
+@pytest.mark.shipped
 def test_flops_per_token_matches_a_hand_count():
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=4)
     d, L, T, V = 8, 2, 4, 256
@@ -64,7 +65,7 @@ def test_wandb_arguments_come_from_config_and_never_hold_a_key(tmp_path, monkeyp
     cfg = TrainConfig(output_dir=str(tmp_path / "exp1"), wandb_tags="a,b", wandb_group="sweep")
     kwargs = wandb_init_kwargs(cfg, "run123", 0)
     assert kwargs == {"name": "exp1", "id": "run123", "resume": "allow", "dir": str(tmp_path / "exp1"),
-                      "group": "sweep", "tags": ["a", "b"]}
+                      "group": "sweep", "tags": ["a", "b"], "settings": {"quiet": True}}
     assert "sk-should-not-appear" not in json.dumps(kwargs)
     rewind = wandb_init_kwargs(cfg, "run123", 40)  # a resume rewinds the W&B run to the checkpoint's step
     assert rewind["resume_from"] == "run123?_step=40" and "id" not in rewind and "resume" not in rewind

@@ -61,6 +61,7 @@ class TrainState:
     tokens_seen: int = 0
     epoch: int = 0
     tracker_run_id: str = ""  # the W&B run to continue on resume
+    lr_decay_steps: int = 0  # the LR schedule's horizon, fixed at the run's first start (see config.py)
 
 
 def checkpoint_root(output_dir: str) -> Path:
@@ -109,7 +110,7 @@ def _fresh_folder(path: Path) -> None:
 
 def write_shared_files(folder: Path, plumbing, cfg, model, optimizer, state: TrainState, identity: dict) -> None:
     """What one process writes for everyone: weights, optimizer, grad scaler, train state."""
-    save_model(plumbing.unwrap_model(model, keep_torch_compile=False), str(folder / "model.safetensors"))
+    save_safetensors(plumbing.unwrap_model(model, keep_torch_compile=False), folder / "model.safetensors")
     _save_tensors(optimizer.state_dict(), folder / "optimizer.pt")
     scaler = getattr(plumbing, "scaler", None)
     if scaler is not None:
@@ -163,6 +164,15 @@ def prune_checkpoints(output_dir: str, keep_last: int) -> None:
         shutil.rmtree(old)
     for leftover in [*checkpoint_root(output_dir).glob("*.tmp"), *checkpoint_root(output_dir).glob("*.stale")]:
         shutil.rmtree(leftover, ignore_errors=True)  # called right after a commit: no save is in flight
+
+
+def save_safetensors(module, path: Path) -> None:
+    """safetensors creates its file 0600; give it the mode any other file gets here (umask), so that
+    teammates on a shared filesystem can read the weights."""
+    save_model(module, str(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _save_tensors(obj, path: Path) -> None:
@@ -231,7 +241,7 @@ def export_model(plumbing, model, output_dir: str) -> Path:
 
     def export():
         if plumbing.is_main_process:
-            save_model(plumbing.unwrap_model(model, keep_torch_compile=False), str(tmp))  # no _orig_mod. prefixes
+            save_safetensors(plumbing.unwrap_model(model, keep_torch_compile=False), tmp)  # no _orig_mod. prefixes
             os.replace(tmp, path)
 
     collectively(plumbing, f"exporting {path}", export)

@@ -17,6 +17,7 @@ kept apart: give each job its own output_dir there.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import signal
@@ -227,4 +228,15 @@ def exit_with_error(error: Exception) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's kill is not a preemption here
         time.sleep(OTHER_RANKS_ERROR_DELAY_S)
     print(f"error: {error}", file=sys.stderr)  # noqa: T201 - our messages, and OSError's, are one line
+    tell_the_launcher(f"error: {error}")
     sys.exit(getattr(error, "exit_code", 1))
+
+
+def tell_the_launcher(message: str) -> None:
+    """torchrun and accelerate launch end a failed job with a summary whose "Root Cause" block shows the
+    worker's error file (torch elastic's TORCHELASTIC_ERROR_FILE): put our one line there, where it is seen."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": extra}}, f)

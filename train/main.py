@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
 from checkpoint import TrainState, export_model, latest_checkpoint, save_checkpoint
@@ -30,6 +31,7 @@ from resume import resume_or_start
 from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id
 
 
+@record  # an unexpected exception's traceback goes into the launcher's summary, not only the worker's log
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config_or_exit(argv)  # a bad value stops here: no process group, no folder, no data
     run_or_exit(train, cfg, build_accelerator)
@@ -96,6 +98,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
     optimizer = build_optimizer(model, cfg)
     # prepare: DDP-wraps the model, shards each loader's batches across ranks, moves batches to the device
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    check_loss_contract(model, eval_set, accelerator.device)  # the model's .loss is the loss evaluate() reports
     if cfg.compile:
         model = torch.compile(model)
     seed_everything(cfg.seed + accelerator.process_index)  # dropout masks differ per rank, as they should
@@ -198,6 +201,23 @@ def evaluate(model, eval_loader, accelerator) -> float:
         losses.append(accelerator.gather_for_metrics(per_sample))
     model.train()
     return torch.cat(losses).mean().item()
+
+
+@torch.no_grad()
+def check_loss_contract(model, eval_set, device) -> None:
+    """Training minimises the model's own .loss; evaluate() recomputes the loss from .logits (per sample,
+    for an exact mean under sharding). A fork whose loss differs (no next-token shift, another reduction)
+    would train on one number and report another: stop at start-up instead."""
+    batch = {k: v.to(device) for k, v in collate([eval_set[i] for i in range(min(2, len(eval_set)))]).items()}
+    model.eval()
+    output = model(**batch)
+    model.train()
+    expected = causal_lm_loss(output.logits, batch["labels"]).mean()
+    if output.loss is None or not torch.allclose(output.loss.float(), expected, rtol=1e-3, atol=1e-4):
+        got = "None" if output.loss is None else f"{output.loss.item():.4f}"
+        raise ConfigError(f"model: its .loss ({got}) is not the next-token cross-entropy of its .logits "
+                          f"({expected.item():.4f}) that evaluation reports: shift the labels by one in the "
+                          f"model's loss (model.causal_lm_loss does), or change evaluate() in main.py to match")
 
 
 def seed_everything(seed: int) -> None:

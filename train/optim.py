@@ -24,11 +24,11 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at max_steps. A pure function of the
-    step, so both plumbings and a resumed run agree (no scheduler object to step or to checkpoint)."""
+    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at lr_decay_steps (min_lr after it). A pure
+    function of the step, so both plumbings and a resumed run agree (no scheduler object to checkpoint)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.max_steps - cfg.warmup)
+    progress = (step - cfg.warmup) / max(1, cfg.decay_steps - cfg.warmup)
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))) * (cfg.lr - cfg.min_lr)
 
 

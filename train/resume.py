@@ -48,12 +48,26 @@ def resume_or_start(plumbing, cfg, model, optimizer, identity: dict, log) -> Tra
             source = collectively(plumbing, "init_from", lambda: init_weights(plumbing, model, cfg.init_from),
                                   CheckpointError)
             log.info(f"init_from: weights of {source}, starting at step 0 with a fresh optimizer")
-        return TrainState()
-    state = collectively(plumbing, f"resuming from {folder}",
-                         lambda: load_checkpoint(plumbing, cfg, folder, model, optimizer, identity), CheckpointError)
-    _check_same_step_everywhere(plumbing, state.step)
-    log.info(f"resume: {folder} (step {state.step})")
+        state = TrainState()
+    else:
+        state = collectively(plumbing, f"resuming from {folder}",
+                             lambda: load_checkpoint(plumbing, cfg, folder, model, optimizer, identity),
+                             CheckpointError)
+        _check_same_step_everywhere(plumbing, state.step)
+        log.info(f"resume: {folder} (step {state.step})")
+    keep_lr_horizon(cfg, state, log)
     return state
+
+
+def keep_lr_horizon(cfg, state: TrainState, log) -> None:
+    """The LR schedule's horizon is set at a run's first start and kept by every resume, so that raising
+    max_steps extends a run at min_lr instead of silently re-stretching the cosine; lr_decay_steps changes it."""
+    if state.lr_decay_steps and not cfg.lr_decay_steps:
+        cfg.lr_decay_steps = state.lr_decay_steps
+        if cfg.max_steps != cfg.lr_decay_steps:
+            log.info(f"lr schedule: its horizon stays at step {cfg.lr_decay_steps} (min_lr after it) while "
+                     f"max_steps is {cfg.max_steps}; pass --lr_decay_steps {cfg.max_steps} to stretch it instead")
+    cfg.lr_decay_steps = state.lr_decay_steps = cfg.decay_steps
 
 
 def checkpoint_to_resume(cfg, warn) -> Path | None:
@@ -106,6 +120,9 @@ def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer, identity: dic
         raise CheckpointError(f"{folder} was saved with a different run geometry ({', '.join(changed)}); "
                               f"an exact resume needs the same world size, batch_size, grad_accum_steps "
                               f"and block_size")
+    if saved["step"] > cfg.max_steps:
+        raise CheckpointError(f"{folder} is at step {saved['step']}, past max_steps {cfg.max_steps}: pass "
+                              f"--max_steps {saved['step']} or more to resume it")
     changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in identity.items() if k in saved and saved[k] != v]
     if changed:
         raise CheckpointError(f"{folder} was saved for other data ({', '.join(changed)}): resuming would continue "

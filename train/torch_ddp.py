@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -206,6 +207,7 @@ def _autocast(forward, device_type: str):
 # ---------------------------------------------------------------- entry points
 
 
+@record  # an unexpected exception's traceback goes into torchrun's summary
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     processes = _pop_spawn(argv)

@@ -147,7 +147,8 @@ def wandb_init_kwargs(cfg: TrainConfig, run_id: str, resumed_step: int) -> dict:
     """wandb.init arguments: the run id from the checkpoint continues the same W&B run after a resume, rewound
     to the checkpoint's step (`resume_from`). Entity, tags and group fall back to WANDB_ENTITY / WANDB_TAGS /
     WANDB_RUN_GROUP; the API key only ever comes from WANDB_API_KEY or `wandb login`."""
-    kwargs = {"name": cfg.run_label, "dir": cfg.output_dir}
+    # quiet: no ~25-line summary at the end of every run (the offline sync hint is printed by start_trackers)
+    kwargs = {"name": cfg.run_label, "dir": cfg.output_dir, "settings": {"quiet": True}}
     if resumed_step:
         kwargs["resume_from"] = f"{run_id}?_step={resumed_step}"
     else:
@@ -248,20 +249,32 @@ def _fmt(key: str, value) -> str:
     return f"{key} {value}"
 
 
-def git_revision() -> str:
-    head = Path(__file__).resolve().parents[1] / ".git" / "HEAD"
+def git_state() -> tuple[str, bool | None]:
+    """(revision, whether tracked files have uncommitted changes); ("unknown", None) outside a git checkout."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
     try:
-        ref = head.read_text().strip()
-        if ref.startswith("ref: "):
-            return (head.parent / ref[5:]).read_text().strip()[:12]
-        return ref[:12]
-    except OSError:
-        return "unknown"
+        revision = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True,
+                                  text=True, timeout=10, check=True).stdout.strip()
+        changes = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+        return revision, bool(changes.strip())
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
 
 
 def environment_info() -> dict:
+    """What to compare between nodes, or between two runs that should agree (README "Troubleshooting")."""
+    import platform
+
     import accelerate
+    import datasets
     import torch
 
-    return {"torch": torch.__version__, "accelerate": accelerate.__version__, "git": git_revision(),
-            "host": os.uname().nodename}
+    revision, dirty = git_state()
+    cuda = torch.cuda.is_available()
+    return {"python": platform.python_version(), "torch": torch.__version__, "accelerate": accelerate.__version__,
+            "datasets": datasets.__version__, "cuda": torch.version.cuda if cuda else None,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+            "git": revision, "git_dirty": dirty, "host": os.uname().nodename}

@@ -145,7 +145,7 @@ def inject_inf_grads(step: int) -> None:
                 calls["n"] += 1  # once per micro-step
                 return grad * float("inf") if calls["n"] == step * cfg.grad_accum_steps else grad
 
-            model.wte.weight.register_hook(blow_up)
+            next(model.parameters()).register_hook(blow_up)
         return model
 
     main.build_model = build_model

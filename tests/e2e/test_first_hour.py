@@ -1,0 +1,131 @@
+"""What a newcomer meets in the first hour, through the real entry points: the error a launcher shows,
+extending a run, a fork whose model breaks the loss contract, the files a run leaves for teammates,
+the template's tests in a fork, the debug preset, and a quiet W&B."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from conftest import (
+    REPO,
+    TORCH_DDP,
+    base_env,
+    launch_accelerate,
+    launch_torchrun,
+    read_metrics,
+    run,
+    run_python,
+    tiny_args,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_the_launcher_summary_ends_with_our_error(tmp_path, corpus, launcher):
+    args = [*tiny_args(tmp_path / "run", corpus), "--lr", "-1"]
+    result = (launch_accelerate(args, tmp_path) if launcher == "accelerate" else
+              launch_torchrun(args, tmp_path, script=TORCH_DDP))
+    assert result.returncode != 0
+    lines = result.output.splitlines()
+    assert sum(line.startswith("error: lr must be > 0") for line in lines) == 1
+    # the launcher's summary ("Root Cause") closes the output: our line is in it, not 40 lines up
+    assert any("error: lr must be > 0 (got -1.0)" in line for line in lines[-12:]), "\n".join(lines[-15:])
+
+
+def test_extending_a_run_keeps_the_lr_horizon_and_a_shorter_max_steps_is_refused(tmp_path, corpus):
+    run_dir = tmp_path / "run"
+    run_python(tiny_args(run_dir, corpus, max_steps=20, save_every=10, warmup_steps=2), tmp_path).check()
+    refused = run_python([*tiny_args(run_dir, corpus, max_steps=15, warmup_steps=2), "--resume", "latest"], tmp_path)
+    assert refused.returncode == 2
+    assert f"checkpoints/step_00000020 is at step 20, past max_steps 15: pass --max_steps 20 or more" in refused.output
+    extended = run_python([*tiny_args(run_dir, corpus, max_steps=30, warmup_steps=2), "--resume", "latest"],
+                          tmp_path).check()
+    assert "its horizon stays at step 20 (min_lr after it) while max_steps is 30" in extended.output
+    lrs = {row["step"]: row["lr"] for row in read_metrics(run_dir) if "lr" in row}
+    assert all(lrs[step] == pytest.approx(3e-4) for step in range(21, 31))  # tiny.yaml's min_lr, not re-stretched
+    stretched = tmp_path / "stretched"
+    shutil.copytree(run_dir, stretched)
+    (stretched / ".lock").unlink()
+    run_python([*tiny_args(stretched, corpus, max_steps=40, warmup_steps=2), "--resume", "latest",
+                "--lr_decay_steps", "40"], tmp_path).check()
+    assert read_metrics(stretched)[-1]["step"] == 40 and {r["step"]: r["lr"] for r in read_metrics(stretched)
+                                                          if "lr" in r}[31] > 3e-4  # asked for: stretched
+
+
+def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, corpus):
+    wrapper = tmp_path / "unshifted.py"
+    wrapper.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO / 'train')!r})\n"
+        "import torch.nn.functional as F\n"
+        "import main, model\n"
+        "class Unshifted(model.GPT):\n"
+        "    def forward(self, input_ids, labels=None):\n"
+        "        out = super().forward(input_ids)\n"
+        "        out.loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())  # no next-token shift\n"
+        "        return out\n"
+        "main.build_model = lambda cfg: Unshifted(256, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0)\n"
+        "main.main()\n")
+    result = run_python(tiny_args(tmp_path / "run", corpus), tmp_path, script=wrapper)
+    assert result.returncode == 2 and "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: model: its .loss (")
+    assert "is not the next-token cross-entropy of its .logits" in errors[0]
+
+
+def test_run_files_are_readable_by_teammates_and_run_info_has_what_to_compare(tmp_path, corpus):
+    run_dir = tmp_path / "run"
+    old = os.umask(0o022)
+    try:
+        run_python(tiny_args(run_dir, corpus, max_steps=5, save_every=5), tmp_path).check()
+    finally:
+        os.umask(old)
+    for path in (run_dir / "model.safetensors", run_dir / "checkpoints" / "step_00000005" / "model.safetensors"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path  # safetensors alone makes it 0600
+    info = json.loads((run_dir / "run_info.json").read_text())
+    for key in ("python", "torch", "accelerate", "datasets", "cuda", "nccl", "git", "git_dirty", "mixed_precision"):
+        assert key in info, key
+
+
+def test_the_template_tests_pass_in_a_fork_that_swapped_the_model(tmp_path):
+    """A fork swaps model.py's fork point; the tests not marked `shipped` are about the template and pass."""
+    from test_accelerate import FORK_MODEL, replace_fork_point
+
+    fork = tmp_path / "fork"
+    for part in ("train", "tests", "data"):
+        shutil.copytree(REPO / part, fork / part, ignore=shutil.ignore_patterns("__pycache__", "python_stdlib"))
+    shutil.copy(REPO / "pyproject.toml", fork)
+    replace_fork_point(fork / "train" / "model.py", 1, FORK_MODEL)
+    unit_tests = [f"tests/{name}" for name in ("test_checkpoint.py", "test_schedule.py", "test_data.py",
+                                               "test_model.py", "test_tracking.py")]
+    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not shipped", *unit_tests],
+                 base_env(tmp_path), cwd=fork, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " passed" in result.stdout.splitlines()[-1] and "failed" not in result.stdout.splitlines()[-1]
+    everything = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *unit_tests],
+                     base_env(tmp_path), cwd=fork, timeout=300)
+    assert everything.returncode != 0  # without the marker, the shipped model's own tests do fail: adapt them
+
+
+def test_the_debug_preset_runs_end_to_end(tmp_path):
+    result = run([sys.executable, str(REPO / "train" / "main.py"), "--config", str(REPO / "train/configs/debug.yaml")],
+                 base_env(tmp_path), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert (tmp_path / "runs" / "run_001" / "model.safetensors").exists()
+
+
+def test_wandb_prints_only_the_sync_hint(tmp_path, corpus):
+    env = base_env(tmp_path, WANDB_SILENT="false")
+    result = subprocess.run([sys.executable, str(REPO / "train" / "main.py"),
+                             *map(str, tiny_args(tmp_path / "run", corpus, max_steps=5, tracker="wandb"))],
+                            env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    wandb_lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("wandb:")]
+    assert len(wandb_lines) <= 3, wandb_lines  # was ~25: run summary and history sparklines
+    assert "wandb sync" in result.stdout + result.stderr
