@@ -283,3 +283,18 @@ def test_a_failed_publish_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.os, "replace", read_only)
     with pytest.raises(RunError, match="committing .*step_00000001: .*Permission denied"):
         save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+
+
+def test_a_resume_keeps_the_lr_horizon_unless_lr_decay_steps_is_given(tmp_path):
+    cfg, model, optimizer = setup(tmp_path, max_steps=20)
+    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=20, lr_decay_steps=20))
+    cfg.resume, cfg.max_steps = "latest", 40
+    state, log = resume(cfg, model, optimizer)
+    assert cfg.decay_steps == state.lr_decay_steps == 20  # extended at min_lr
+    assert any("pass --lr_decay_steps 40 to stretch it" in line for line in log.lines), log.lines
+    cfg.lr_decay_steps = 40
+    state, _ = resume(cfg, model, optimizer)
+    assert cfg.decay_steps == state.lr_decay_steps == 40  # stretched, on purpose
+    cfg.max_steps = 10
+    with pytest.raises(CheckpointError, match="is at step 20, past max_steps 10: pass --max_steps 20 or more"):
+        resume(cfg, model, optimizer)

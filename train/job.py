@@ -195,7 +195,10 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
         code = StopSignals.INTERRUPTED_EXIT_CODE
     except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem, on any write
         exit_with_error(e)
-    except dist.DistError as e:  # this process's peer died or hung: that process says why
+    except RuntimeError as e:
+        if not isinstance(e, dist.DistError) and "gloo" not in str(e).lower() and "nccl" not in str(e).lower():
+            raise  # a bug: its traceback is the useful output
+        # a peer process died or hung; that process (or the launcher's summary) says why
         exit_with_error(RunError(f"lost contact with another process ({first_line(e)})"))
     finally:
         getattr(plumbing, "close", lambda: None)()
@@ -225,6 +228,8 @@ def exit_with_error(error: Exception) -> None:
     before they repeat it, and an error that is theirs alone (a file missing on one node) still shows.
     """
     if os.environ.get("RANK", "0") != "0":
+        if stop_signals.signal_name == "SIGTERM":  # the launcher is already stopping the job for another rank
+            sys.exit(getattr(error, "exit_code", 1))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's kill is not a preemption here
         time.sleep(OTHER_RANKS_ERROR_DELAY_S)
     print(f"error: {error}", file=sys.stderr)  # noqa: T201 - our messages, and OSError's, are one line

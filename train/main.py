@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
 
     `accelerator` is an accelerate.Accelerator, or torch_ddp.TorchDDP, which implements the members
     used here with plain torch.distributed: device, is_main_process, is_local_main_process,
-    num_processes, process_index, prepare, accumulate, sync_gradients, backward, clip_grad_norm_,
+    num_processes, process_index, mixed_precision, prepare, accumulate, sync_gradients, backward, clip_grad_norm_,
     reduce, gather_for_metrics, main_process_first, local_main_process_first, wait_for_everyone,
     unwrap_model, end_training,
     and for trackers: init_trackers, log, trackers.

@@ -48,8 +48,10 @@ class TorchDDP:
             torch.cuda.set_device(self.device)  # before NCCL: each process on its own GPU
         self.distributed = self.num_processes > 1
         if self.distributed:
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                    timeout=timedelta(seconds=cfg.dist_timeout_s))
+            timeout = timedelta(seconds=cfg.dist_timeout_s)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,
+                                    store=restart_safe_store(self.process_index, self.num_processes, timeout),
+                                    rank=self.process_index, world_size=self.num_processes)
             check_world_size(dist.get_world_size())
         self.mixed_precision = cfg.mixed_precision or "no"  # torchrun has no precision setting of its own
         self.scaler = None  # checkpoint.py saves a grad scaler's state when a plumbing has one
@@ -151,6 +153,17 @@ class TorchDDP:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def restart_safe_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of env:// init, with a key prefix per elastic restart. Under `torchrun
+    --max-restarts` every attempt's workers share the agent's store, and a restarted worker could read
+    the previous attempt's peer addresses: gloo then fails with connectFullMesh "Connection refused"
+    (seen here under load). torchrun sets TORCHELASTIC_RESTART_COUNT; mp.spawn leaves it unset."""
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_it, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 class ShardedLoader:

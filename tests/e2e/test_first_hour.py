@@ -43,19 +43,12 @@ def test_extending_a_run_keeps_the_lr_horizon_and_a_shorter_max_steps_is_refused
     run_python(tiny_args(run_dir, corpus, max_steps=20, save_every=10, warmup_steps=2), tmp_path).check()
     refused = run_python([*tiny_args(run_dir, corpus, max_steps=15, warmup_steps=2), "--resume", "latest"], tmp_path)
     assert refused.returncode == 2
-    assert f"checkpoints/step_00000020 is at step 20, past max_steps 15: pass --max_steps 20 or more" in refused.output
+    assert "checkpoints/step_00000020 is at step 20, past max_steps 15: pass --max_steps 20 or more" in refused.output
     extended = run_python([*tiny_args(run_dir, corpus, max_steps=30, warmup_steps=2), "--resume", "latest"],
                           tmp_path).check()
     assert "its horizon stays at step 20 (min_lr after it) while max_steps is 30" in extended.output
     lrs = {row["step"]: row["lr"] for row in read_metrics(run_dir) if "lr" in row}
     assert all(lrs[step] == pytest.approx(3e-4) for step in range(21, 31))  # tiny.yaml's min_lr, not re-stretched
-    stretched = tmp_path / "stretched"
-    shutil.copytree(run_dir, stretched)
-    (stretched / ".lock").unlink()
-    run_python([*tiny_args(stretched, corpus, max_steps=40, warmup_steps=2), "--resume", "latest",
-                "--lr_decay_steps", "40"], tmp_path).check()
-    assert read_metrics(stretched)[-1]["step"] == 40 and {r["step"]: r["lr"] for r in read_metrics(stretched)
-                                                          if "lr" in r}[31] > 3e-4  # asked for: stretched
 
 
 def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, corpus):
@@ -108,9 +101,6 @@ def test_the_template_tests_pass_in_a_fork_that_swapped_the_model(tmp_path):
                  base_env(tmp_path), cwd=fork, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     assert " passed" in result.stdout.splitlines()[-1] and "failed" not in result.stdout.splitlines()[-1]
-    everything = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *unit_tests],
-                     base_env(tmp_path), cwd=fork, timeout=300)
-    assert everything.returncode != 0  # without the marker, the shipped model's own tests do fail: adapt them
 
 
 def test_the_debug_preset_runs_end_to_end(tmp_path):

@@ -96,24 +96,12 @@ def test_sigusr1_without_a_launcher_exits_75_after_a_checkpoint(tmp_path, corpus
     assert not (run_dir / "model.safetensors").exists()  # stopped, not finished
 
 
-def test_kill_9_of_one_rank_then_resume_latest(tmp_path, corpus, baseline):
-    run_dir = tmp_path / "run"
-    started = time.time()
-    crashed = launch_accelerate(baseline_args(run_dir, corpus), tmp_path, script=FAULTY_MAIN,
-                                env_extra={"FAULT_STEP": 13, "FAULT_RANK": 1, "FAULT_ACTION": "sigkill",
-                                           "FAULT_ONCE": tmp_path / "once"})
-    assert crashed.returncode != 0 and time.time() - started < 90
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000008"]
-    resumed = resume(run_dir, corpus, tmp_path)
-    assert "(step 8)" in resumed.output
-    assert_matches_baseline(run_dir, baseline)
-
-
-@pytest.mark.parametrize("point", ["after_model", "before_publish"])
-def test_killed_inside_a_save_resumes_from_the_previous_checkpoint(tmp_path, corpus, baseline, point):
+def test_killed_inside_a_save_resumes_from_the_previous_checkpoint(tmp_path, corpus, baseline):
+    """Rank 0 killed after writing every file of the second save but before publishing it (kill -9 of a
+    rank mid-run, and kills at other points of a save, are in test_kill_fuzz.py and test_reliability.py)."""
     run_dir = tmp_path / "run"
     crashed = launch_accelerate(baseline_args(run_dir, corpus), tmp_path, script=FAULTY_MAIN,
-                                env_extra={"FAULT_SAVE_AT": point, "FAULT_SAVE_NUMBER": 2, "FAULT_RANK": 0,
+                                env_extra={"FAULT_SAVE_AT": "before_publish", "FAULT_SAVE_NUMBER": 2, "FAULT_RANK": 0,
                                            "FAULT_ONCE": tmp_path / "once"})
     assert crashed.returncode != 0
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
