@@ -1,4 +1,4 @@
-"""Checkpoints: the run folder's layout, an atomic commit protocol, exact resume, the final export.
+"""Checkpoints: their layout, the save transaction, the final export (reading them back: resume.py).
 
     <output_dir>/checkpoints/step_00000100/     a committed checkpoint (has manifest.json)
         model.safetensors   optimizer.pt   [scaler.pt]   rng_rank{r}.pt (one per process)
@@ -6,23 +6,14 @@
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
     <output_dir>/model.safetensors              the exported model at the end of training
 
-A save is one transaction: tmp folder, every process writes its part, all processes vote, the manifest
-is written last, one rename publishes, then older checkpoints are pruned. A failure on any process is
-an error on every process (run_folder.collectively), never a rank left waiting at a barrier. Resume
-verifies sizes and checksums: `--resume latest` skips a damaged newest checkpoint with a warning, an
-explicit `--resume PATH` to a damaged one is an error.
-
-Who writes: with `shared_filesystem` (the default) the main process writes the shared files and
-commits; on node-local disks (`--shared_filesystem false`) each node's local main process does, so
-every node holds a complete copy of each checkpoint (its own ranks' RNG files included).
-
-Both plumbings (Accelerate and torch_ddp.py) use these functions, so a checkpoint written by one
-resumes under the other. The template owns the format instead of calling `accelerator.save_state`:
-save_state writes straight into its final folder, pickles RNG states, and logs a refused RNG file at
-INFO and trains on (RELIABILITY.md, measured). Here every tensor file loads with
-`weights_only=True` or safetensors, a bad file is a one-line CheckpointError naming it, and a folder
-only gets its final name once every process has written its part. (A fork that moves to FSDP or
-DeepSpeed should call `accelerator.save_state(tmp)` inside `save_checkpoint` for the sharded state.)
+A save is one transaction: tmp folder, every process writes its part, all processes vote (a failure
+on any process is an error on every process, job.collectively), the manifest is written last, one
+rename publishes, then older checkpoints are pruned. The main process writes the shared files; on
+node-local disks (`--shared_filesystem false`) each node's local main process does, so every node
+holds a complete copy. Both plumbings use these functions, so a checkpoint written by one resumes
+under the other. The template owns the format instead of `accelerator.save_state`, which writes
+straight into its final folder, pickles RNG states, and trains on after a refused RNG file
+(RELIABILITY.md, measured).
 """
 
 from __future__ import annotations

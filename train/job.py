@@ -6,12 +6,8 @@ owner at a time, decisions every process takes together, the signals that stop i
 
 with at most one `error: ...` line per job, and no process left waiting on one that failed.
 
-The lock is an OS lock (flock) on <output_dir>/.lock, taken by each process that writes the run's files
-(the main process; with --shared_filesystem false, each node's local main process) before anything is
-written, and held until it exits: a crashed or killed holder's lock is released by the kernel, so a
-requeued job never finds a stale lock. flock is honoured on local disks, NFSv4 and Lustre mounted with
-`-o flock`; on a filesystem that ignores it (Lustre with `noflock`, some FUSE mounts) two jobs are not
-kept apart: give each job its own output_dir there.
+The lock is flock on <output_dir>/.lock, held by the process(es) that write the run's files from before
+they write until they exit; the kernel frees a dead holder's lock. Which filesystems honour flock: README.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import re
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -72,6 +69,24 @@ def claim_run_folder(cfg, plumbing) -> None:
         cfg.output_dir = str(RUNS_ROOT / f"run_{number:03d}")
     writer = is_writer(plumbing, cfg)
     collectively(plumbing, "locking the run folder", lambda: writer and lock_run_folder(cfg.output_dir), ConfigError)
+
+
+def init_process_group(timeout_s: int) -> None:
+    """torch.distributed's env:// start (NCCL on GPUs, gloo on CPUs), with the store's keys under a prefix per
+    elastic restart. Under `torchrun --max-restarts` / `accelerate launch --max_restarts` every attempt's
+    workers share one store, and a restarted worker could read the dead attempt's peer addresses: gloo then
+    fails with connectFullMesh "Connection refused" (seen here under load, on both paths). Accelerate adopts
+    a process group that already exists."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before NCCL: one GPU per process
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s),
+                          multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.PrefixStore(
+        f"attempt_{attempt}", store), rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
 def _pick_run_number(newest: bool) -> int:
@@ -128,12 +143,8 @@ class Preempted(BaseException):  # not an Exception: nothing may catch it on the
 
 class StopSignals:
     """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal) and Ctrl-C ask for a checkpoint and a clean stop.
-
-    Installed before anything else starts. During start-up nothing has trained since the last checkpoint,
-    so a signal stops the job at once (Preempted). Once the loop runs, the handler only records it; the loop
-    asks every rank at its logging steps, where it syncs with the GPU anyway, so all ranks stop at the same
-    step. A second Ctrl-C stops at once.
-    """
+    During start-up nothing has trained since the last checkpoint: stop at once (Preempted). In the loop the
+    handler only records it; the ranks vote at logging steps and all stop at the same step. A 2nd Ctrl-C: now."""
 
     PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
     INTERRUPTED_EXIT_CODE = 130  # Ctrl-C: stopped with a checkpoint, but nobody asked for a requeue

@@ -14,7 +14,7 @@ marked fork points in model.py and data.py; nothing here should need to change.
 from __future__ import annotations
 
 import math
-from datetime import timedelta
+import os
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from checkpoint import TrainState, export_model, latest_checkpoint, save_checkpoint
 from config import ConfigError, RunError, TrainConfig
 from data import EpochSampler, build_datasets, collate, data_identity
-from job import check_world_size, claim_run_folder, load_config_or_exit, run_or_exit, stop_signals
+from job import check_world_size, claim_run_folder, init_process_group, load_config_or_exit, run_or_exit, stop_signals
 from model import build_model, causal_lm_loss
 from optim import build_optimizer, lr_at, set_lr
 from resume import resume_or_start
@@ -43,8 +43,10 @@ def build_accelerator(cfg: TrainConfig):
         DataLoaderConfiguration,
         DistributedDataParallelKwargs,
         GradientAccumulationPlugin,
-        InitProcessGroupKwargs,
     )
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        init_process_group(cfg.dist_timeout_s)  # restart-safe (job.py); the Accelerator adopts it
 
     accelerator = Accelerator(
         # Measured: on a machine without a GPU, Accelerator() leaves every launched process believing it
@@ -58,8 +60,7 @@ def build_accelerator(cfg: TrainConfig):
         # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the host on each
         # batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with it)
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.dist_timeout_s)),
-                         DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)],
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)],
         log_with=cfg.trackers() or None,  # started later, by MetricsLogger, on the main process only
         project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
     )
@@ -205,9 +206,8 @@ def evaluate(model, eval_loader, accelerator) -> float:
 
 @torch.no_grad()
 def check_loss_contract(model, eval_set, device) -> None:
-    """Training minimises the model's own .loss; evaluate() recomputes the loss from .logits (per sample,
-    for an exact mean under sharding). A fork whose loss differs (no next-token shift, another reduction)
-    would train on one number and report another: stop at start-up instead."""
+    """Training minimises the model's .loss, evaluate() recomputes it per sample from .logits (exact under
+    sharding): a fork whose loss differs (no next-token shift) would train on one number and report another."""
     batch = {k: v.to(device) for k, v in collate([eval_set[i] for i in range(min(2, len(eval_set)))]).items()}
     model.eval()
     output = model(**batch)

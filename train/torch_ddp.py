@@ -7,10 +7,9 @@
     python train/torch_ddp.py --spawn 2 ...          # mp.spawn, for people who launch from Python
 
 It runs `train()` from main.py (one loop, two plumbings) with the same config, data, model, optimizer,
-schedule, checkpoints and metrics.jsonl. With the same seed and global batch the two paths log the
-same per-step losses (tests/e2e/test_equivalence.py): both draw each epoch's permutation from
-(seed, epoch), so every global batch holds the same samples; only how they are split across ranks
-differs (DistributedSampler strides, Accelerate hands out whole batches).
+schedule, checkpoints and metrics.jsonl. Both paths draw each epoch's permutation from (seed, epoch),
+so every global batch holds the same samples and the losses agree (tests/e2e/test_torch_ddp.py); only
+the split across ranks differs (DistributedSampler strides, Accelerate hands out whole batches).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import os
 import socket
 import sys
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from config import ConfigError, TrainConfig
-from job import check_world_size, exit_with_error, load_config_or_exit, run_or_exit
+from job import check_world_size, exit_with_error, init_process_group, load_config_or_exit, run_or_exit
 from main import train
 
 
@@ -48,10 +46,7 @@ class TorchDDP:
             torch.cuda.set_device(self.device)  # before NCCL: each process on its own GPU
         self.distributed = self.num_processes > 1
         if self.distributed:
-            timeout = timedelta(seconds=cfg.dist_timeout_s)
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,
-                                    store=restart_safe_store(self.process_index, self.num_processes, timeout),
-                                    rank=self.process_index, world_size=self.num_processes)
+            init_process_group(cfg.dist_timeout_s)
             check_world_size(dist.get_world_size())
         self.mixed_precision = cfg.mixed_precision or "no"  # torchrun has no precision setting of its own
         self.scaler = None  # checkpoint.py saves a grad scaler's state when a plumbing has one
@@ -153,17 +148,6 @@ class TorchDDP:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def restart_safe_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    """The rendezvous store of env:// init, with a key prefix per elastic restart. Under `torchrun
-    --max-restarts` every attempt's workers share the agent's store, and a restarted worker could read
-    the previous attempt's peer addresses: gloo then fails with connectFullMesh "Connection refused"
-    (seen here under load). torchrun sets TORCHELASTIC_RESTART_COUNT; mp.spawn leaves it unset."""
-    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts_it, timeout=timeout, multi_tenant=True)
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 class ShardedLoader:

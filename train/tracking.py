@@ -253,13 +253,11 @@ def git_state() -> tuple[str, bool | None]:
     """(revision, whether tracked files have uncommitted changes); ("unknown", None) outside a git checkout."""
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
     try:
-        revision = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True,
-                                  text=True, timeout=10, check=True).stdout.strip()
-        changes = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                                 capture_output=True, text=True, timeout=10, check=True).stdout
-        return revision, bool(changes.strip())
+        return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
         return "unknown", None
 
