@@ -171,5 +171,12 @@ def assert_matches_baseline(run_dir, baseline):
     assert losses == baseline.losses()  # every step 1..24, interrupted part and replayed part alike
 
 
+@pytest.fixture(scope="session")
+def torch_baseline(tmp_path_factory, corpus) -> Run:
+    """The same reference run on the torch path (torchrun), for the tests that compare it with itself."""
+    out = tmp_path_factory.mktemp("torch_baseline") / "run"
+    return launch_torchrun(baseline_args(out, corpus), out.parent).check()
+
+
 def baseline_args(output_dir: Path, corpus: Path, **overrides) -> list[str]:
     return tiny_args(output_dir, corpus, dropout=0.1, grad_accum_steps=2, **overrides)

@@ -89,6 +89,11 @@ def test_bad_datasets_are_one_line_errors(tmp_path):
     tiny.write_text("".join(json.dumps({"text": "ab"}) + "\n" for _ in range(30)))
     with pytest.raises(ConfigError, match="no eval block of block_size 16|no train block"):
         data.build_datasets(cfg_for(tiny))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({"text": "x" * 400}) + '\n{"text": "unterminated\n')
+    with pytest.raises(ConfigError, match=f"dataset '{broken}' cannot be read as json files: ") as error:
+        data.build_datasets(cfg_for(broken))
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.shipped

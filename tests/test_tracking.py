@@ -49,6 +49,11 @@ class NotMain:
     trackers = []
 
 
+class Main:
+    is_main_process = is_local_main_process = True
+    trackers = []
+
+
 def test_logger_is_a_no_op_off_the_main_process(tmp_path):
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
     log = MetricsLogger(cfg, NotMain())
@@ -69,3 +74,16 @@ def test_wandb_arguments_come_from_config_and_never_hold_a_key(tmp_path, monkeyp
     assert "sk-should-not-appear" not in json.dumps(kwargs)
     rewind = wandb_init_kwargs(cfg, "run123", 40)  # a resume rewinds the W&B run to the checkpoint's step
     assert rewind["resume_from"] == "run123?_step=40" and "id" not in rewind and "resume" not in rewind
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    torn = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo'
+    (tmp_path / "run" / "metrics.jsonl").write_text(torn)
+    log = MetricsLogger(cfg, Main())
+    log.start(2, {})  # resumed at step 2: the crash tore the row of step 3 mid-write
+    log.log(3, {"loss": 1.25})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[-1]["loss"] == 1.25

@@ -2,7 +2,9 @@
 
 import json
 import math
+import os
 import shutil
+import stat
 
 import pytest
 import torch
@@ -42,6 +44,12 @@ def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
     assert [r["step"] for r in eval_rows] == [12, 24]
     info = json.loads((out / "run_info.json").read_text())
     assert info["processes"] == 2 and info["global_batch_size"] == 16
+    for key in ("python", "torch", "accelerate", "datasets", "cuda", "nccl", "git", "git_dirty", "mixed_precision"):
+        assert key in info, key  # what README "Troubleshooting" says to compare between nodes
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (out / "model.safetensors", out / "checkpoints" / "step_00000024" / "model.safetensors"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path  # safetensors alone makes it 0600
     saved_cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert saved_cfg["grad_accum_steps"] == 2 and saved_cfg["output_dir"] == str(out)
     assert load_config(["--config", str(out / "config.yaml")]).dropout == 0.1  # config.yaml reloads as-is
@@ -100,8 +108,10 @@ def test_bad_value_through_the_launcher(tmp_path, corpus):
     out.mkdir()
     run = launch_accelerate([*tiny_args(out, corpus), "--lr", "-1"], tmp_path)
     assert run.returncode != 0
-    lines = run.output.splitlines()  # the line once, and again inside the launcher's summary
+    lines = run.output.splitlines()
     assert sum(line.startswith("error: lr must be > 0 (got -1.0)") for line in lines) == 1, run.tail()
+    # and again in the launcher's closing summary ("Root Cause"), where it is seen, not 40 lines up
+    assert any("error: lr must be > 0 (got -1.0)" in line for line in lines[-12:]), "\n".join(lines[-15:])
     assert list(out.iterdir()) == []
 
 
@@ -116,23 +126,23 @@ def test_dataset_too_small_for_one_step(tmp_path):
 
 
 def test_a_diverged_loss_stops_the_run_before_it_saves_broken_weights(tmp_path, corpus):
+    """nan on one rank from step 6; the next check is step 8, a save step between logging steps (10)."""
     run_dir = tmp_path / "run"
-    run = launch_accelerate(tiny_args(run_dir, corpus, max_steps=12, save_every=4), tmp_path, script=FAULTY_MAIN,
+    args = tiny_args(run_dir, corpus, max_steps=12, save_every=4, log_every=10)
+    run = launch_accelerate(args, tmp_path, script=FAULTY_MAIN,
                             env_extra={"FAULT_NAN_STEP": 6, "FAULT_RANK": 1})  # one rank's loss: the mean is nan
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: loss is nan at step 6: training diverged; resume from "
+    assert errors == [f"error: loss is nan at step 8: training diverged; resume from "
                       f"{run_dir / 'checkpoints' / 'step_00000004'} with a lower lr or more warmup_steps"], run.tail()
     losses = run.losses()
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    assert all(math.isfinite(losses[step]) for step in range(1, 6)) and losses[6] is None  # JSON has no nan
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000004"]
+    assert sorted(losses) == [4, 8] and math.isfinite(losses[4]) and losses[8] is None  # JSON has no nan
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000004"]  # step 8 never committed
     assert not (run_dir / "model.safetensors").exists()
     # the advice works: resume from step 4 with a lower lr and more warmup
-    resumed = launch_accelerate([*tiny_args(run_dir, corpus, max_steps=12, save_every=4, lr=1e-3, warmup_steps=8),
-                                 "--resume", "latest"], tmp_path).check()
+    resumed = launch_accelerate([*args, "--lr", 1e-3, "--warmup_steps", 8, "--resume", "latest"], tmp_path).check()
     assert "(step 4)" in resumed.output
-    assert sorted(resumed.losses()) == list(range(1, 13)) and all(resumed.losses().values())
+    assert sorted(resumed.losses()) == [4, 8, 10, 12] and all(resumed.losses().values())
     assert (run_dir / "model.safetensors").exists()
 
 

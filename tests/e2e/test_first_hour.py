@@ -1,12 +1,9 @@
-"""What a newcomer meets in the first hour, through the real entry points: the error a launcher shows,
-extending a run, a fork whose model breaks the loss contract, the files a run leaves for teammates,
-the template's tests in a fork, the debug preset, and a quiet W&B."""
+"""What a newcomer meets in the first hour, through the real entry points: the error torchrun shows,
+extending a run, a fork whose model breaks the loss contract, and the template's tests in a fork.
+(Also first-hour checks, folded into runs that exist anyway: file modes and run_info in
+test_accelerate.py, a quiet W&B in test_tracking_runs.py, the debug preset in test_reliability.py.)"""
 
-import json
-import os
 import shutil
-import stat
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +12,6 @@ from conftest import (
     REPO,
     TORCH_DDP,
     base_env,
-    launch_accelerate,
     launch_torchrun,
     read_metrics,
     run,
@@ -26,11 +22,9 @@ from conftest import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-def test_the_launcher_summary_ends_with_our_error(tmp_path, corpus, launcher):
-    args = [*tiny_args(tmp_path / "run", corpus), "--lr", "-1"]
-    result = (launch_accelerate(args, tmp_path) if launcher == "accelerate" else
-              launch_torchrun(args, tmp_path, script=TORCH_DDP))
+def test_the_torchrun_summary_ends_with_our_error(tmp_path, corpus):
+    """(accelerate launch: tests/e2e/test_accelerate.py::test_bad_value_through_the_launcher)"""
+    result = launch_torchrun([*tiny_args(tmp_path / "run", corpus), "--lr", "-1"], tmp_path, script=TORCH_DDP)
     assert result.returncode != 0
     lines = result.output.splitlines()
     assert sum(line.startswith("error: lr must be > 0") for line in lines) == 1
@@ -72,20 +66,6 @@ def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, c
     assert "is not the next-token cross-entropy of its .logits" in errors[0]
 
 
-def test_run_files_are_readable_by_teammates_and_run_info_has_what_to_compare(tmp_path, corpus):
-    run_dir = tmp_path / "run"
-    old = os.umask(0o022)
-    try:
-        run_python(tiny_args(run_dir, corpus, max_steps=5, save_every=5), tmp_path).check()
-    finally:
-        os.umask(old)
-    for path in (run_dir / "model.safetensors", run_dir / "checkpoints" / "step_00000005" / "model.safetensors"):
-        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path  # safetensors alone makes it 0600
-    info = json.loads((run_dir / "run_info.json").read_text())
-    for key in ("python", "torch", "accelerate", "datasets", "cuda", "nccl", "git", "git_dirty", "mixed_precision"):
-        assert key in info, key
-
-
 def test_the_template_tests_pass_in_a_fork_that_swapped_the_model(tmp_path):
     """A fork swaps model.py's fork point; the tests not marked `shipped` are about the template and pass."""
     from test_accelerate import FORK_MODEL, replace_fork_point
@@ -101,21 +81,3 @@ def test_the_template_tests_pass_in_a_fork_that_swapped_the_model(tmp_path):
                  base_env(tmp_path), cwd=fork, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     assert " passed" in result.stdout.splitlines()[-1] and "failed" not in result.stdout.splitlines()[-1]
-
-
-def test_the_debug_preset_runs_end_to_end(tmp_path):
-    result = run([sys.executable, str(REPO / "train" / "main.py"), "--config", str(REPO / "train/configs/debug.yaml")],
-                 base_env(tmp_path), cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:]
-    assert (tmp_path / "runs" / "run_001" / "model.safetensors").exists()
-
-
-def test_wandb_prints_only_the_sync_hint(tmp_path, corpus):
-    env = base_env(tmp_path, WANDB_SILENT="false")
-    result = subprocess.run([sys.executable, str(REPO / "train" / "main.py"),
-                             *map(str, tiny_args(tmp_path / "run", corpus, max_steps=5, tracker="wandb"))],
-                            env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-2000:]
-    wandb_lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("wandb:")]
-    assert len(wandb_lines) <= 3, wandb_lines  # was ~25: run summary and history sparklines
-    assert "wandb sync" in result.stdout + result.stderr

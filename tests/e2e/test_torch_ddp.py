@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from conftest import TORCH_DDP, launch_accelerate, launch_torchrun, load_weights, run_python, tiny_args
+from conftest import (
+    TORCH_DDP,
+    baseline_args,
+    launch_accelerate,
+    launch_torchrun,
+    load_weights,
+    run_python,
+    tiny_args,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +49,18 @@ def test_one_plain_process_and_mp_spawn(tmp_path, corpus):
         assert b[step] == pytest.approx(a[step], rel=1e-5)
 
 
-def test_resume_from_its_own_checkpoint_is_exact(tmp_path, corpus):
-    args = dict(max_steps=12, save_every=5, eval_every=100)
-    reference = launch_torchrun(tiny_args(tmp_path / "ref", corpus, **args), tmp_path).check()
-    # a new run resumed from the finished run's step-10 checkpoint replays steps 11-12 exactly
-    resumed = launch_torchrun([*tiny_args(tmp_path / "run", corpus, **args), "--resume",
-                               tmp_path / "ref" / "checkpoints" / "step_00000010"], tmp_path).check()
-    assert resumed.losses() == {s: v for s, v in reference.losses().items() if s > 10}
-    wa, wb = load_weights(tmp_path / "ref/model.safetensors"), load_weights(tmp_path / "run/model.safetensors")
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+def test_resume_from_its_own_checkpoint_is_exact(tmp_path, corpus, torch_baseline):
+    # a new run resumed from the finished reference run's step-16 checkpoint replays steps 17-24 exactly
+    resumed = launch_torchrun([*baseline_args(tmp_path / "run", corpus), "--resume",
+                               torch_baseline.output_dir / "checkpoints" / "step_00000016"], tmp_path).check()
+    assert resumed.losses() == {s: v for s, v in torch_baseline.losses().items() if s > 16}
+    reference, replayed = (load_weights(d / "model.safetensors") for d in (torch_baseline.output_dir, tmp_path / "run"))
+    assert all(torch.equal(reference[k], replayed[k]) for k in reference)
 
 
 def test_an_accelerate_checkpoint_resumes_on_the_torch_path(tmp_path, corpus, baseline):
     """One checkpoint format for both plumbings. Not bitwise (with dropout, the two paths put a global
     batch's samples on different ranks, so the per-rank dropout masks differ), but close."""
-    from conftest import baseline_args
-
     checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
     resumed = launch_torchrun([*baseline_args(tmp_path / "run", corpus), "--resume", checkpoint], tmp_path).check()
     assert "(step 16)" in resumed.output
