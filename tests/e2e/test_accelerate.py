@@ -94,15 +94,6 @@ def test_one_and_two_processes_agree_at_the_same_global_batch(tmp_path, corpus):
         assert b[step] == pytest.approx(a[step], rel=1e-5), (step, a[step], b[step])
 
 
-def test_default_corpus_under_the_launcher(tmp_path):
-    """The offline default (python_stdlib) through the real launcher and the shipped tiny preset."""
-    args = ["--config", REPO / "train/configs/tiny.yaml", "--output_dir", tmp_path / "run", "--max_steps", 6,
-            "--warmup_steps", 2, "--eval_every", 6, "--save_every", 0, "--log_every", 2]
-    run = launch_accelerate(args, tmp_path).check()
-    assert [r["step"] for r in run.metrics() if "loss" in r] == [2, 4, 6]
-    assert (tmp_path / "run" / "model.safetensors").exists()
-
-
 def test_bad_value_through_the_launcher(tmp_path, corpus):
     out = tmp_path / "run"
     out.mkdir()
