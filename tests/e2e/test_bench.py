@@ -10,10 +10,10 @@ from conftest import REPO, base_env, run
 pytestmark = pytest.mark.slow
 
 
-def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path):
-    out = tmp_path / "bench.json"
-    result = run([sys.executable, str(REPO / "bench/throughput.py"), "--quick", "--out", str(out)], base_env(tmp_path),
-                 timeout=300)
+def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, corpus):
+    out = tmp_path / "bench.json"  # the small test corpus: the final evaluation of each variant stays short
+    result = run([sys.executable, str(REPO / "bench/throughput.py"), "--quick", "--out", str(out),
+                  "--dataset", str(corpus), "--block_size", "32"], base_env(tmp_path), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads(out.read_text())
     for variant in ("bare", "accelerate", "torch"):

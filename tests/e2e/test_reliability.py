@@ -118,7 +118,7 @@ def test_a_second_job_on_the_same_run_folder_is_refused_until_the_first_dies(tmp
     finally:
         first.kill()
         first.wait()
-    newest = int(checkpoints(run_dir)[-1].split("_")[1])
+    newest = max(int(name.split("_")[1]) for name in checkpoints(run_dir) if not name.endswith(".tmp"))
     resumed = run_python([*tiny_args(run_dir, corpus, max_steps=newest + 2), "--resume", "latest"], tmp_path)
     assert f"(step {newest})" in resumed.check().output  # a killed holder's lock is free again
 
