@@ -1,19 +1,22 @@
 """Checkpoints: their layout, the save transaction, the final export (reading them back: resume.py).
 
-    <output_dir>/checkpoints/step_00000100/     a committed checkpoint (has manifest.json)
-        model.safetensors   optimizer.pt   [scaler.pt]   rng_rank{r}.pt (one per process)
-        train_state.json    config.yaml (the resolved config)   manifest.json (last: names, sizes, xxh3 checksums)
+    <output_dir>/checkpoints/step_00000100/     a committed checkpoint: one file (or one per process) per part
+        model.safetensors  optimizer.pt  train_state.json  data.json  rng_rank{r}.pt  [scaler.json]  [ema...]
+        config.yaml (the resolved config)   manifest.json (last: the run's geometry, names, sizes, xxh3 checksums)
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
     <output_dir>/model.safetensors              the exported model at the end of training
 
-A save is one transaction: tmp folder, every process writes its part, all processes vote (a failure
-on any process is an error on every process, job.collectively), the manifest is written last, one
-rename publishes, then older checkpoints are pruned. The main process writes the shared files; on
-node-local disks (`--shared_filesystem false`) each node's local main process does, so every node
-holds a complete copy. Both plumbings use these functions, so a checkpoint written by one resumes
-under the other. The template owns the format instead of `accelerator.save_state`, which writes
-straight into its final folder, pickles RNG states, and trains on after a refused RNG file
-(RELIABILITY.md, measured).
+A checkpoint holds named state parts, each an object with state_dict() / load_state_dict() (checkpoint_parts).
+How a part is written follows from what it is: a module as safetensors weights, a per-process part (RNG) by
+every process, anything else by the writer, as JSON if its state is plain values, else as a tensor file.
+
+A save is one transaction: tmp folder, every process writes its parts, all processes vote (a failure on any
+process is an error on every process, job.collectively), the manifest is written last, one rename publishes,
+then older checkpoints are pruned. The main process writes the shared files; on node-local disks
+(`--shared_filesystem false`) each node's local main process does, so every node holds a complete copy.
+Both plumbings use these functions, so a checkpoint written by one resumes under the other. The template owns
+the format instead of `accelerator.save_state`, which writes straight into its final folder, pickles RNG
+states, and trains on after a refused RNG file (RELIABILITY.md, measured).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -45,14 +48,48 @@ class CheckpointError(ConfigError):
 
 @dataclass
 class TrainState:
-    """Where training is. Everything else (epoch, position in the epoch) is derived from `step`."""
+    """Where training is (a checkpoint part). The data position is the data part's (data.TrainBatches)."""
 
     step: int = 0  # optimizer steps completed
     samples_seen: int = 0
     tokens_seen: int = 0
-    epoch: int = 0
     tracker_run_id: str = ""  # the W&B run to continue on resume
     lr_decay_steps: int = 0  # the LR schedule's horizon, fixed at the run's first start (see config.py)
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, state.get(f.name, f.default))
+
+
+class ProcessRNG:
+    """This process's random generators (Python, NumPy, torch, CUDA): dropout masks differ per process."""
+
+    per_process = True  # written by every process, as <name>_rank{r}.pt
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state)
+
+
+def checkpoint_parts(plumbing, **parts) -> dict:
+    """The named parts a checkpoint saves and a resume restores: the ones given, this process's RNG, and
+    fp16's loss scaler. A fork adds its own in one line, before the resume: parts["ema"] = ema_model."""
+    parts["rng"] = ProcessRNG()
+    if plumbing.scaler is not None:
+        parts["scaler"] = plumbing.scaler
+    return parts
+
+
+def run_geometry(plumbing, cfg) -> dict:
+    """How the run splits its global batch; a resume needs the same global_batch and block_size, not the rest."""
+    return {"world_size": plumbing.num_processes, "batch_size": cfg.batch_size, "grad_accum_steps":
+            cfg.grad_accum_steps, "global_batch": cfg.batch_size * cfg.grad_accum_steps * plumbing.num_processes,
+            "block_size": cfg.block_size}
 
 
 def checkpoint_root(output_dir: str) -> Path:
@@ -74,23 +111,27 @@ def latest_checkpoint(output_dir: str) -> Path | None:
 # ---------------------------------------------------------------- save
 
 
-def save_checkpoint(plumbing, cfg, model, optimizer, state: TrainState, identity: dict) -> Path:
+def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Path:
     """Write, vote, publish by rename, prune. Collective: call on all ranks; a failure anywhere raises everywhere."""
-    final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{state.step:08d}"
+    final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     writer = is_writer(plumbing, cfg)
     collectively(plumbing, f"creating {tmp}", lambda: writer and _fresh_folder(tmp))
 
     def write_parts():
-        if writer:
-            write_shared_files(tmp, plumbing, cfg, model, optimizer, state, identity)
-        _save_tensors(rng_state(), tmp / f"rng_rank{plumbing.process_index}.pt")
+        for name, part in parts.items():
+            write_part(tmp, name, part, plumbing, writer)
+        if writer:  # provenance: the whole resolved config
+            _write_file(tmp / "config.yaml", yaml.safe_dump(asdict(cfg), sort_keys=False).encode())
 
-    collectively(plumbing, f"saving the checkpoint of step {state.step} to {tmp}", write_parts,
+    collectively(plumbing, f"saving the checkpoint of step {step} to {tmp}", write_parts,
                  on_failure=lambda: writer and shutil.rmtree(tmp, ignore_errors=True))
     ranks = range(plumbing.num_processes) if cfg.shared_filesystem else ranks_on_this_node(plumbing.num_processes)
-    collectively(plumbing, f"committing {final}", lambda: writer and (_publish(tmp, final, ranks, state.step),
-                                                                      prune_checkpoints(cfg.output_dir, cfg.keep_last)))
+    per_process = [name for name, part in parts.items() if getattr(part, "per_process", False)]
+    about = {"step": step, "run": {**run_geometry(plumbing, cfg), **identity}, "parts": sorted(parts)}
+    collectively(plumbing, f"committing {final}", lambda: writer and (
+        _publish(tmp, final, [f"{name}_rank{r}.pt" for name in per_process for r in ranks], about),
+        prune_checkpoints(cfg.output_dir, cfg.keep_last)))
     return final
 
 
@@ -99,17 +140,22 @@ def _fresh_folder(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def write_shared_files(folder: Path, plumbing, cfg, model, optimizer, state: TrainState, identity: dict) -> None:
-    """What one process writes for everyone: weights, optimizer, grad scaler, train state."""
-    save_safetensors(plumbing.unwrap_model(model, keep_torch_compile=False), folder / "model.safetensors")
-    _save_tensors(optimizer.state_dict(), folder / "optimizer.pt")
-    scaler = getattr(plumbing, "scaler", None)
-    if scaler is not None:
-        _save_tensors(scaler.state_dict(), folder / "scaler.pt")
-    train_state = {**asdict(state), "world_size": plumbing.num_processes, "batch_size": cfg.batch_size,
-                   "grad_accum_steps": cfg.grad_accum_steps, "block_size": cfg.block_size, **identity}
-    _write_file(folder / "train_state.json", json.dumps(train_state, indent=2).encode())
-    _write_file(folder / "config.yaml", yaml.safe_dump(asdict(cfg), sort_keys=False).encode())  # provenance
+def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
+    """A module as <name>.safetensors; a per-process part as <name>_rank{r}.pt from every process; any other
+    part's state as <name>.json when it is plain values (readable), else <name>.pt (tensors, read back with
+    weights_only). Only the writer writes shared parts. A sharded plumbing (FSDP) writes its modules here."""
+    if getattr(part, "per_process", False):
+        _save_tensors(part.state_dict(), folder / f"{name}_rank{plumbing.process_index}.pt")
+    elif not writer:
+        return
+    elif isinstance(part, torch.nn.Module):
+        save_safetensors(plumbing.unwrap_model(part, keep_torch_compile=False), folder / f"{name}.safetensors")
+    else:
+        state = part.state_dict()
+        try:
+            _write_file(folder / f"{name}.json", json.dumps(state, indent=2).encode())
+        except TypeError:  # not JSON (raised before the file is opened): it holds tensors
+            _save_tensors(state, folder / f"{name}.pt")
 
 
 def ranks_on_this_node(world_size: int) -> range:
@@ -119,15 +165,14 @@ def ranks_on_this_node(world_size: int) -> range:
     return range(node * per_node, (node + 1) * per_node)
 
 
-def _publish(tmp: Path, final: Path, ranks, step: int) -> None:
+def _publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
     """Manifest last, then one rename: a checkpoint is either complete under its final name or absent."""
-    expected = [f"rng_rank{r}.pt" for r in ranks]
     missing = [name for name in expected if not (tmp / name).is_file()]
     if missing:
-        raise CheckpointError(f"checkpoint of step {step} is missing {', '.join(missing)}: is output_dir on a "
-                              f"filesystem every node sees? If not, pass --shared_filesystem false")
+        raise CheckpointError(f"checkpoint of step {about['step']} is missing {', '.join(missing)}: is output_dir "
+                              f"on a filesystem every node sees? If not, pass --shared_filesystem false")
     files = {p.name: {"bytes": p.stat().st_size, "xxh3_64": file_digest(p)} for p in sorted(tmp.iterdir())}
-    _write_file(tmp / "manifest.json", json.dumps({"step": step, "files": files}, indent=2).encode())
+    _write_file(tmp / "manifest.json", json.dumps({**about, "files": files}, indent=2).encode())
     if final.exists():  # the same step saved again (a resumed run): keep the old one until the swap
         stale = final.with_name(final.name + ".stale")
         os.replace(final, stale)
@@ -209,17 +254,14 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict, source: Path) -> None:
-    try:
-        version, words, gauss = state["python"]
-        random.setstate((version, tuple(words), gauss))
-        name, keys, *rest = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-        torch.set_rng_state(state["torch"])
-        if torch.cuda.is_available() and "cuda" in state:
-            torch.cuda.set_rng_state_all(state["cuda"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{source} holds no usable RNG state: {e}") from None
+def set_rng_state(state: dict) -> None:
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------- export

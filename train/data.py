@@ -3,7 +3,7 @@
 FORK POINT 2: to train on your own data, replace the body of `build_datasets` (and `tokenize`).
 The loop needs two map-style datasets whose items `collate` turns into the model's keyword
 arguments (`input_ids`, `labels`). Sharding across processes is not done here: the plumbing
-(`accelerator.prepare` or DistributedSampler) does it, so nothing in this file looks at ranks.
+(`prepare`) does it, so nothing in this file looks at ranks.
 
 `dataset` (a config key) selects the text:
     python_stdlib                 the .py files of this Python's standard library, read at run time
@@ -141,32 +141,78 @@ def write_python_stdlib_corpus(folder: Path = DATA_DIR / "python_stdlib") -> Pat
 
 
 class EpochSampler(Sampler[int]):
-    """A fresh permutation of the whole dataset each epoch, seeded by (seed + epoch).
+    """Each epoch a fresh permutation of the dataset, seeded by (seed + epoch), cut to whole global batches.
 
-    It draws exactly the permutation `DistributedSampler(shuffle=True, seed=seed)` draws before
-    sharding, so the Accelerate path (which shards this sampler's batches across ranks) and the
-    torch path (DistributedSampler) put the same samples in every global batch. The sample order
-    is a pure function of (seed, epoch), which is what makes an exact mid-epoch resume possible:
-    `skip_next(n)` drops the first n samples of the next pass instead of iterating over them.
+    The order is a function of (seed, epoch, global batch) alone: the world size, the per-process batch and
+    gradient accumulation only decide who computes which sample, never which step it is in. So both
+    plumbings, and a resume on another world size with the same global batch, train on the same samples in
+    the same steps.
     """
 
-    def __init__(self, num_samples: int, seed: int):
-        self.num_samples, self.seed, self.epoch, self._skip = num_samples, seed, 0, 0
+    def __init__(self, num_samples: int, seed: int, samples_per_step: int):
+        self.dataset_size, self.seed, self.epoch, self._start = num_samples, seed, 0, 0
+        self.num_samples = num_samples - num_samples % samples_per_step  # the tail is left out, a new one each epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def skip_next(self, num_samples: int) -> None:
-        self._skip = num_samples
-
-    def pop_skip(self) -> int:
-        """The pending skip, now consumed (the torch path hands it on to its DistributedSampler)."""
-        skip, self._skip = self._skip, 0
-        return skip
+    def start_next_pass_at(self, sample: int) -> None:
+        """The next pass (only) begins at this sample of the epoch: a mid-epoch resume skips by index."""
+        self._start = sample
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=generator)[self.pop_skip():].tolist())
+        order = torch.randperm(self.dataset_size, generator=generator)[self._start:self.num_samples]
+        self._start = 0
+        return iter(order.tolist())
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class TrainBatches:
+    """The endless stream of this process's training micro-batches, epoch after epoch, and a checkpoint part.
+
+    Its position is one number, `micro_batches`: global micro-batches consumed (each of
+    `samples_per_micro_batch` samples, all processes together). It is saved with that size, so a resume
+    whose micro-batch differs (another world size, or accumulation, for the same global batch) converts it
+    and continues with the very next sample of the uninterrupted run.
+    """
+
+    def __init__(self, loader, sampler: EpochSampler, samples_per_micro_batch: int):
+        self.loader, self.sampler, self.samples_per_micro_batch = loader, sampler, samples_per_micro_batch
+        self.micro_batches = 0
+        self._stream = None
+
+    @property
+    def epoch(self) -> float:
+        """Epochs done, fractional (1.5: half-way through the second)."""
+        return self.micro_batches * self.samples_per_micro_batch / len(self.sampler)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._stream is None:
+            self._stream = self._batches_from(self.micro_batches * self.samples_per_micro_batch)
+        batch = next(self._stream)
+        self.micro_batches += 1
+        return batch
+
+    def _batches_from(self, samples_consumed: int):
+        epoch, start = divmod(samples_consumed, len(self.sampler))
+        while True:
+            self.loader.set_epoch(epoch)  # Accelerate's loader keeps its own epoch count and passes it on to ours
+            self.sampler.start_next_pass_at(start)
+            yield from self.loader
+            epoch, start = epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"micro_batches": self.micro_batches, "samples_per_micro_batch": self.samples_per_micro_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        samples = state["micro_batches"] * state["samples_per_micro_batch"]
+        if samples % self.samples_per_micro_batch:
+            raise ValueError(f"{samples} samples consumed is not a whole number of micro-batches of "
+                             f"{self.samples_per_micro_batch}: the global batch changed")
+        self.micro_batches, self._stream = samples // self.samples_per_micro_batch, None

@@ -21,12 +21,13 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
-from checkpoint import TrainState, export_model, latest_checkpoint, save_checkpoint
+from checkpoint import TrainState, checkpoint_parts, export_model, latest_checkpoint, save_checkpoint
 from config import ConfigError, RunError, TrainConfig
-from data import EpochSampler, build_datasets, collate, data_identity
+from data import EpochSampler, TrainBatches, build_datasets, collate, data_identity
 from job import check_world_size, claim_run_folder, init_process_group, load_config_or_exit, run_or_exit, stop_signals
 from model import build_model, causal_lm_loss
 from optim import build_optimizer, lr_at, set_lr
+from plumbing import Plumbing
 from resume import resume_or_start
 from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id
 
@@ -68,15 +69,10 @@ def build_accelerator(cfg: TrainConfig):
     return accelerator
 
 
-def train(cfg: TrainConfig, accelerator) -> int:
+def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     """THE training loop; returns the process exit code (0, or StopSignals' code after a signal).
 
-    `accelerator` is an accelerate.Accelerator, or torch_ddp.TorchDDP, which implements the members
-    used here with plain torch.distributed: device, is_main_process, is_local_main_process,
-    num_processes, process_index, mixed_precision, prepare, accumulate, sync_gradients, backward, clip_grad_norm_,
-    reduce, gather_for_metrics, main_process_first, local_main_process_first, wait_for_everyone,
-    unwrap_model, end_training,
-    and for trackers: init_trackers, log, trackers.
+    `accelerator` is an accelerate.Accelerator, or torch_ddp.TorchDDP: what is used of it is plumbing.Plumbing.
     """
     # ---------------------------------------------------------------- setup
     seed_everything(cfg.seed)  # the same model init on every rank
@@ -85,9 +81,10 @@ def train(cfg: TrainConfig, accelerator) -> int:
     first = accelerator.main_process_first if cfg.shared_filesystem else accelerator.local_main_process_first
     with first():
         train_set, eval_set = build_datasets(cfg)
-    check_data_size(len(train_set), cfg, accelerator.num_processes)
+    global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
+    check_data_size(len(train_set), global_batch, cfg)
     claim_run_folder(cfg, accelerator)  # settles output_dir and locks it: one job per run folder
-    sampler = EpochSampler(len(train_set), cfg.seed)  # data order is ours: a function of (seed, epoch)
+    sampler = EpochSampler(len(train_set), cfg.seed, global_batch)  # the order: a function of (seed, epoch)
     # a loader draws its worker seeds from `generator`, not from the global RNG that dropout uses
     loader_args = dict(batch_size=cfg.batch_size, collate_fn=collate, num_workers=cfg.num_workers,
                        pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(cfg.seed))
@@ -97,17 +94,20 @@ def train(cfg: TrainConfig, accelerator) -> int:
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     model = build_model(cfg)
     optimizer = build_optimizer(model, cfg)
-    # prepare: DDP-wraps the model, shards each loader's batches across ranks, moves batches to the device
+    # prepare: DDP-wraps the model; each loader gives this rank its share of every global batch, on the device
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    batches = TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
     check_loss_contract(model, eval_set, accelerator.device)  # the model's .loss is the loss evaluate() reports
     if cfg.compile:
         model = torch.compile(model)
     seed_everything(cfg.seed + accelerator.process_index)  # dropout masks differ per rank, as they should
     # ---------------------------------------------------------------- resume
+    state = TrainState()
+    parts = checkpoint_parts(accelerator, model=model, optimizer=optimizer, train_state=state, data=batches)
+    # a fork's own state is one more line here, e.g. parts["ema"] = ema_model: saved, restored and pruned with the rest
     identity = data_identity(cfg, train_set)  # what a resume must find unchanged
-    state = resume_or_start(accelerator, cfg, model, optimizer, identity, log)
+    resume_or_start(accelerator, cfg, parts, identity, log)
     state.tracker_run_id = state.tracker_run_id or new_run_id()  # a resumed run continues its W&B run
-    global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     log.start(state.step, {"output_dir": cfg.output_dir, **environment_info(), "processes": accelerator.num_processes,
                            "mixed_precision": accelerator.mixed_precision,
@@ -115,7 +115,6 @@ def train(cfg: TrainConfig, accelerator) -> int:
                            "train_samples": len(train_set), "eval_samples": len(eval_set),
                            "parameters": sum(p.numel() for p in plain_model.parameters())})
     log.start_trackers(state.tracker_run_id, state.step)
-    batches = micro_batches(train_loader, sampler, cfg, accelerator.num_processes, state)
     throughput = Throughput(global_batch, global_batch * cfg.block_size, flops_per_token(plain_model),
                             accelerator.num_processes, accelerator.mixed_precision)
     stop_signals.loop_running = True  # from now on a signal means: checkpoint at the next logging step, then stop
@@ -144,7 +143,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
         if state.step % cfg.log_every == 0 or saving:  # the loop waits for the GPU here only, so it can run ahead
             # over micro-steps, then over ranks; checked before every save, so no broken weights are ever committed
             mean_loss, bad_grads = accelerator.reduce(torch.stack([step_loss, bad_grad_steps]), "mean").tolist()
-            log.log(state.step, {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "epoch": state.epoch,
+            log.log(state.step, {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "epoch": batches.epoch,
                                  "tokens_seen": state.tokens_seen, **throughput.report()})
             if not math.isfinite(mean_loss) or bad_grads:  # the same reduced values on every rank: all stop here
                 raise TrainingDiverged(state.step, mean_loss, latest_checkpoint(cfg.output_dir))
@@ -154,7 +153,7 @@ def train(cfg: TrainConfig, accelerator) -> int:
             eval_loss = evaluate(model, eval_loader, accelerator)
             log.log(state.step, {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))})
         if saving or stopping:
-            path = save_checkpoint(accelerator, cfg, model, optimizer, state, identity)
+            path = save_checkpoint(accelerator, cfg, parts, state.step, identity)
             log.info(f"checkpoint: {path}")
         if stopping:
             log.stopped(state.step, stop_signals.signal_name or "a signal on another rank", str(path))
@@ -171,24 +170,6 @@ def train(cfg: TrainConfig, accelerator) -> int:
 
 
 # ---------------------------------------------------------------- helpers used by train()
-
-
-def micro_batches(loader, sampler: EpochSampler, cfg: TrainConfig, num_processes: int, state: TrainState):
-    """Endless micro-batches, starting at the exact batch after `state.step` (mid-epoch included).
-
-    The position is derived, not stored: every optimizer step consumes grad_accum_steps global
-    micro-batches of batch_size * num_processes samples, and each epoch's order is a function of
-    (seed, epoch), so skipping by index reproduces the uninterrupted run batch for batch.
-    """
-    samples_per_micro_batch = cfg.batch_size * num_processes
-    per_epoch = len(sampler) // samples_per_micro_batch  # whole global micro-batches (drop_last)
-    epoch, skip = divmod(state.step * cfg.grad_accum_steps, per_epoch)
-    while True:
-        state.epoch = epoch
-        loader.set_epoch(epoch)  # reaches the sampler (Accelerate) or the DistributedSampler (torch path)
-        sampler.skip_next(skip * samples_per_micro_batch)
-        yield from loader
-        epoch, skip = epoch + 1, 0
 
 
 @torch.no_grad()
@@ -230,12 +211,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def check_data_size(num_samples: int, cfg: TrainConfig, num_processes: int) -> None:
-    needed = cfg.batch_size * cfg.grad_accum_steps * num_processes
-    if num_samples < needed:
+def check_data_size(num_samples: int, global_batch: int, cfg: TrainConfig) -> None:
+    if num_samples < global_batch:
         raise ConfigError(f"dataset: {num_samples} training blocks is too few for one optimizer step at "
-                          f"world size {num_processes} x batch_size {cfg.batch_size} x grad_accum_steps "
-                          f"{cfg.grad_accum_steps} = {needed} blocks")
+                          f"world size {global_batch // cfg.batch_size // cfg.grad_accum_steps} x batch_size "
+                          f"{cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} = {global_batch} blocks")
 
 
 class TrainingDiverged(RunError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -25,14 +24,14 @@ from checkpoint import (
     file_digest,
     latest_checkpoint,
     recover_interrupted_swap,
-    set_rng_state,
+    run_geometry,
 )
 from config import ConfigError, first_line
 from job import collectively, is_writer
 
 
-def resume_or_start(plumbing, cfg, model, optimizer, identity: dict, log) -> TrainState:
-    """Restore the checkpoint that --resume names (or the newest intact one), or start at step 0
+def resume_or_start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
+    """Restore every part from the checkpoint --resume names (or the newest intact one), or start at step 0
     (from --init_from's weights if given). Collective; any refusal is an error on every process."""
     writer = is_writer(plumbing, cfg)
     collectively(plumbing, "recovering checkpoints", lambda: writer and recover_interrupted_swap(cfg.output_dir))
@@ -41,22 +40,20 @@ def resume_or_start(plumbing, cfg, model, optimizer, identity: dict, log) -> Tra
                           f"continue that run, or choose another output_dir")
     folder = collectively(plumbing, "choosing the checkpoint", lambda: checkpoint_to_resume(cfg, log.warn),
                           CheckpointError)
+    state = parts["train_state"]
     if folder is None:
         if cfg.resume:
             log.info(f"resume: no intact checkpoint in {cfg.output_dir} yet, starting fresh")
         if cfg.init_from:
-            source = collectively(plumbing, "init_from", lambda: init_weights(plumbing, model, cfg.init_from),
+            source = collectively(plumbing, "init_from", lambda: init_weights(plumbing, parts["model"], cfg.init_from),
                                   CheckpointError)
             log.info(f"init_from: weights of {source}, starting at step 0 with a fresh optimizer")
-        state = TrainState()
     else:
-        state = collectively(plumbing, f"resuming from {folder}",
-                             lambda: load_checkpoint(plumbing, cfg, folder, model, optimizer, identity),
-                             CheckpointError)
+        note = collectively(plumbing, f"resuming from {folder}",
+                            lambda: load_checkpoint(plumbing, cfg, folder, parts, identity), CheckpointError)
         _check_same_step_everywhere(plumbing, state.step)
-        log.info(f"resume: {folder} (step {state.step})")
+        log.info(f"resume: {folder} (step {state.step}){note}")
     keep_lr_horizon(cfg, state, log)
-    return state
 
 
 def keep_lr_horizon(cfg, state: TrainState, log) -> None:
@@ -105,44 +102,61 @@ def checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
-def load_checkpoint(plumbing, cfg, folder: Path, model, optimizer, identity: dict) -> TrainState:
-    """Restore weights, optimizer, scaler and this process's RNG; return the train state.
+def load_checkpoint(plumbing, cfg, folder: Path, parts: dict, identity: dict) -> str:
+    """Restore every part in place; returns a note for the log when the world size changed.
 
-    Everything is checked before anything is modified: the batch geometry and the data identity (the
-    data position is only exact if they match), and every weight's name and shape.
+    Everything is checked before anything is modified: the global batch and block size (the data position
+    is only exact if they match), the data identity, that every part is there, every weight's name and shape.
+    With another world size (the same global batch), the per-process parts (RNG) start afresh.
     """
     folder = Path(folder)
-    saved = _read_json(folder / "train_state.json")
-    now = {"world_size": plumbing.num_processes, "batch_size": cfg.batch_size,
-           "grad_accum_steps": cfg.grad_accum_steps, "block_size": cfg.block_size}
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
-    if changed:
-        raise CheckpointError(f"{folder} was saved with a different run geometry ({', '.join(changed)}); "
-                              f"an exact resume needs the same world size, batch_size, grad_accum_steps "
-                              f"and block_size")
-    if saved["step"] > cfg.max_steps:
-        raise CheckpointError(f"{folder} is at step {saved['step']}, past max_steps {cfg.max_steps}: pass "
-                              f"--max_steps {saved['step']} or more to resume it")
+    about = _read_json(folder / "manifest.json")
+    saved, now = about.get("run", {}), run_geometry(plumbing, cfg)
+    if any(saved.get(k) != now[k] for k in ("global_batch", "block_size")):
+        raise CheckpointError(f"{folder} was saved with global batch {saved.get('global_batch')} (world size x "
+                              f"batch_size x grad_accum_steps) and block_size {saved.get('block_size')}, this run "
+                              f"has {now['global_batch']} and {now['block_size']}: an exact resume needs both "
+                              f"unchanged (world size, batch_size and grad_accum_steps may change, not their product)")
+    if about["step"] > cfg.max_steps:
+        raise CheckpointError(f"{folder} is at step {about['step']}, past max_steps {cfg.max_steps}: pass "
+                              f"--max_steps {about['step']} or more to resume it")
     changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in identity.items() if k in saved and saved[k] != v]
     if changed:
         raise CheckpointError(f"{folder} was saved for other data ({', '.join(changed)}): resuming would continue "
                               f"a different data order; to change them on purpose, start a new run with "
                               f"--init_from {folder}")
-    module = plumbing.unwrap_model(model, keep_torch_compile=False)
-    _check_weights(folder / "model.safetensors", module)
-    rng_file = folder / f"rng_rank{plumbing.process_index}.pt"
-    rng = _load_tensors(rng_file, "cpu")
-    optimizer_state = _load_tensors(folder / "optimizer.pt", "cpu")  # load_state_dict moves it to the params
-    load_model(module, str(folder / "model.safetensors"))  # via CPU; copied into the params in place
-    try:
-        optimizer.load_state_dict(optimizer_state)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{folder / 'optimizer.pt'} does not fit this optimizer: {e}") from None
-    scaler = getattr(plumbing, "scaler", None)
-    if scaler is not None:
-        scaler.load_state_dict(_load_tensors(folder / "scaler.pt", "cpu"))
-    set_rng_state(rng, rng_file)
-    return TrainState(**{f.name: saved[f.name] for f in fields(TrainState) if f.name in saved})
+    missing = [name for name in parts if name not in about.get("parts", ())]
+    if missing:
+        raise CheckpointError(f"{folder} has no part {', '.join(missing)} (it holds "
+                              f"{', '.join(about.get('parts', ())) or 'none'}): start a new run with --init_from")
+    same_world = saved["world_size"] == plumbing.num_processes
+    states = {name: _read_part(folder, name, part, plumbing) for name, part in parts.items()
+              if same_world or not getattr(part, "per_process", False)}
+    for name, state in states.items():
+        try:
+            if isinstance(parts[name], torch.nn.Module):  # via CPU; copied into the parameters in place
+                load_model(plumbing.unwrap_model(parts[name], keep_torch_compile=False), str(state))
+            else:
+                parts[name].load_state_dict(state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: its part '{name}' does not fit this run: {first_line(e)}") from None
+    if same_world:
+        return ""
+    return (f"; world size {saved['world_size']} -> {now['world_size']}, batch_size {saved['batch_size']} -> "
+            f"{now['batch_size']}, grad_accum_steps {saved['grad_accum_steps']} -> {now['grad_accum_steps']}: the "
+            f"same global batch, the same samples in every step; the per-process random state starts afresh")
+
+
+def _read_part(folder: Path, name: str, part, plumbing):
+    """A part's saved state (for a module: its weights file, checked against the module)."""
+    if getattr(part, "per_process", False):
+        return _load_tensors(folder / f"{name}_rank{plumbing.process_index}.pt", "cpu")
+    if isinstance(part, torch.nn.Module):
+        _check_weights(folder / f"{name}.safetensors", plumbing.unwrap_model(part, keep_torch_compile=False))
+        return folder / f"{name}.safetensors"
+    if (folder / f"{name}.json").is_file():
+        return _read_json(folder / f"{name}.json")
+    return _load_tensors(folder / f"{name}.pt", "cpu")  # load_state_dict moves it where it belongs
 
 
 def init_weights(plumbing, model, source: str) -> Path:

@@ -1,4 +1,4 @@
-"""The same training run without Accelerate: every method below is something Accelerate did for main.py.
+"""The same training run without Accelerate: TorchDDP implements the plumbing contract (plumbing.py) by hand.
 
     python train/torch_ddp.py --config train/configs/tiny.yaml                    # one plain process
     torchrun --standalone --nproc_per_node 2 train/torch_ddp.py --config train/configs/tiny.yaml
@@ -7,14 +7,13 @@
     python train/torch_ddp.py --spawn 2 ...          # mp.spawn, for people who launch from Python
 
 It runs `train()` from main.py (one loop, two plumbings) with the same config, data, model, optimizer,
-schedule, checkpoints and metrics.jsonl. Both paths draw each epoch's permutation from (seed, epoch),
-so every global batch holds the same samples and the losses agree (tests/e2e/test_torch_ddp.py); only
-the split across ranks differs (DistributedSampler strides, Accelerate hands out whole batches).
+schedule, checkpoints and metrics.jsonl. Each global batch is split across ranks as Accelerate splits it,
+so with one config the two paths log bitwise-identical losses and end with identical weights
+(tests/e2e/test_torch_ddp.py).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import sys
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Sampler
 
 from config import ConfigError, TrainConfig
 from job import check_world_size, exit_with_error, init_process_group, load_config_or_exit, run_or_exit
@@ -49,21 +48,28 @@ class TorchDDP:
             init_process_group(cfg.dist_timeout_s)
             check_world_size(dist.get_world_size())
         self.mixed_precision = cfg.mixed_precision or "no"  # torchrun has no precision setting of its own
-        self.scaler = None  # checkpoint.py saves a grad scaler's state when a plumbing has one
+        self.scaler = None  # fp16, the one precision that needs a loss scaler, is refused on this path (main)
         self.sync_gradients = True
-        self._micro_step = 0
-        self.eval_samples_left = 0  # set by the eval loader; lets gather_for_metrics drop the padding
         self.trackers = []
+        self._micro_step = 0
+        self._real_samples = None  # while a loader yields an eval set's padded last batch: its real samples
 
-    def prepare(self, model, optimizer, train_loader, eval_loader):
-        model = model.to(self.device)
+    def prepare(self, *objects):
+        prepared = tuple(self._prepare(obj) for obj in objects)
+        return prepared[0] if len(prepared) == 1 else prepared
+
+    def _prepare(self, obj):
+        if isinstance(obj, DataLoader):
+            return ShardedLoader(obj, self)
+        if not isinstance(obj, torch.nn.Module):
+            return obj  # optimizers, LR schedulers: used as they are
+        model = obj.to(self.device)
+        if self.mixed_precision == "bf16":
+            model = Autocast(model, self.device.type)
         if self.distributed:  # broadcasts rank 0's weights, then all-reduces gradients in backward
             model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                         find_unused_parameters=self.cfg.find_unused_parameters)
-        if self.mixed_precision == "bf16":  # what Accelerate does: autocast around forward
-            model.forward = _autocast(model.forward, self.device.type)
-        return (model, optimizer, ShardedLoader(train_loader, self, train=True),
-                ShardedLoader(eval_loader, self, train=False))
+        return model
 
     @contextmanager
     def accumulate(self, model):
@@ -79,24 +85,23 @@ class TorchDDP:
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
-    def reduce(self, tensor: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
         if not self.distributed:
             return tensor
         total = tensor.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return total / self.num_processes if reduction == "mean" else total
 
-    def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
-        """All ranks' values in dataset order, without the copies DistributedSampler padded with."""
-        if not self.distributed:
-            return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.num_processes)]
-        dist.all_gather(parts, tensor.contiguous())
-        # rank r held padded positions r, r + world, ...: interleaving restores the order, padding comes last
-        ordered = torch.stack(parts, dim=1).flatten(0, 1)
-        kept = ordered[:self.eval_samples_left]
-        self.eval_samples_left -= len(kept)
-        return kept
+    def gather_for_metrics(self, data):
+        if isinstance(data, dict):
+            return {key: self.gather_for_metrics(value) for key, value in data.items()}
+        if isinstance(data, (tuple, list)):
+            return type(data)(self.gather_for_metrics(value) for value in data)
+        if self.distributed:
+            parts = [torch.empty_like(data) for _ in range(self.num_processes)]
+            dist.all_gather(parts, data.contiguous())
+            data = torch.cat(parts)  # rank order is sample order (ShardedLoader)
+        return data if self._real_samples is None else data[:self._real_samples]
 
     @contextmanager
     def main_process_first(self, first: bool | None = None):
@@ -115,22 +120,24 @@ class TorchDDP:
         if self.distributed:
             dist.barrier()
 
-    def unwrap_model(self, model, keep_torch_compile: bool = True):
-        """The module inside DDP; also inside torch.compile's wrapper when keep_torch_compile is False.
-        (train() compiles the prepared model, compile(DDP(module)), so under DDP both wrappers come off.)"""
-        if keep_torch_compile and not self.distributed:
-            return model
+    def unwrap_model(self, model, keep_torch_compile: bool = False):
+        """The user's module inside torch.compile's wrapper, DDP and Autocast (train() compiles the prepared model).
+        Only keep_torch_compile=False, as train(), checkpoint.py and resume.py call it."""
+        if keep_torch_compile:
+            raise NotImplementedError("TorchDDP.unwrap_model always removes torch.compile's wrapper")
         module = getattr(model, "_orig_mod", model)
-        return module.module if isinstance(module, DDP) else module
+        while isinstance(module, (DDP, Autocast)):
+            module = module.module
+        return module
 
-    def init_trackers(self, project_name: str, config: dict, init_kwargs: dict) -> None:
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
         """Accelerate's own tracker classes (W&B, TensorBoard), created on the main process only."""
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
         if not self.is_main_process:
             return
         for name in self.cfg.trackers():
-            tracker_class, kwargs = LOGGER_TYPE_TO_CLASS[name], init_kwargs.get(name, {})
+            tracker_class, kwargs = LOGGER_TYPE_TO_CLASS[name], (init_kwargs or {}).get(name, {})
             if tracker_class.requires_logging_directory:
                 self.trackers.append(tracker_class(project_name, self.cfg.output_dir, **kwargs))
             else:
@@ -138,7 +145,7 @@ class TorchDDP:
             self.trackers[-1].start()
             self.trackers[-1].store_init_configuration(config)
 
-    def log(self, values: dict, step: int) -> None:
+    def log(self, values: dict, step: int | None = None) -> None:
         for tracker in self.trackers:
             tracker.log(values, step=step)
 
@@ -150,55 +157,71 @@ class TorchDDP:
             dist.destroy_process_group()
 
 
+class Autocast(torch.nn.Module):
+    """bf16: the wrapped module's forward runs under torch.autocast, as Accelerate runs a prepared model's."""
+
+    def __init__(self, module: torch.nn.Module, device_type: str):
+        super().__init__()
+        self.module, self.device_type = module, device_type
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
+            return self.module(*args, **kwargs)
+
+
 class ShardedLoader:
-    """This rank's share of a loader, through DistributedSampler, with batches moved to the device.
+    """A DataLoader's batches as this rank's share of each global batch, on the device (Accelerate's
+    prepared loader). set_epoch reaches the sampler, as Accelerate's does."""
 
-    The loop positions its EpochSampler (epoch, samples to skip); this loader passes both on to the
-    DistributedSampler, which draws the same permutation from (seed, epoch) and strides it.
-    """
-
-    def __init__(self, loader: DataLoader, plumbing: TorchDDP, train: bool):
-        self.plumbing, self.train, self.source = plumbing, train, loader.sampler
-        self.sampler = ResumableDistributedSampler(loader.dataset, num_replicas=plumbing.num_processes,
-                                                   rank=plumbing.process_index, shuffle=train,
-                                                   seed=plumbing.cfg.seed, drop_last=train)
-        self.loader = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=self.sampler,
-                                 collate_fn=loader.collate_fn, num_workers=loader.num_workers,
-                                 pin_memory=loader.pin_memory, drop_last=train, generator=loader.generator)
+    def __init__(self, loader: DataLoader, plumbing: TorchDDP):
+        self.plumbing, self.sampler = plumbing, loader.sampler
+        self.batches = RankBatches(loader.sampler, loader.batch_size, plumbing.num_processes,
+                                   plumbing.process_index, loader.drop_last)
+        self.loader = DataLoader(loader.dataset, batch_sampler=self.batches, collate_fn=loader.collate_fn,
+                                 num_workers=loader.num_workers, pin_memory=loader.pin_memory,
+                                 generator=loader.generator)
 
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)  # without it every epoch repeats the first one's order
+        getattr(self.sampler, "set_epoch", lambda _: None)(epoch)
 
     def __iter__(self):
-        if self.train:
-            self.sampler.skip = self.source.pop_skip() // self.plumbing.num_processes
-        else:
-            self.plumbing.eval_samples_left = len(self.loader.dataset)
-        device = self.plumbing.device
-        for batch in self.loader:
+        device, last = self.plumbing.device, len(self.loader) - 1
+        for index, batch in enumerate(self.loader):
+            self.plumbing._real_samples = self.batches.real_samples_in_last if index == last else None
             yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        self.plumbing._real_samples = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
 
-class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler that can start the next pass part-way, for an exact mid-epoch resume."""
+class RankBatches(Sampler[list[int]]):
+    """This rank's batch of every global batch (batch_size x world), split as Accelerate's BatchSamplerShard
+    splits it: whole per-rank batches in rank order, so rank r holds samples [r * batch_size, (r+1) *
+    batch_size) of each global batch. With drop_last an incomplete global batch is dropped; without, it is
+    completed with the pass's first samples so that every rank gets a full batch (gather_for_metrics drops them)."""
 
-    skip = 0
+    def __init__(self, sampler, batch_size: int, world: int, rank: int, drop_last: bool):
+        self.sampler, self.batch_size, self.rank, self.drop_last = sampler, batch_size, rank, drop_last
+        self.span = batch_size * world
 
     def __iter__(self):
-        indices = list(super().__iter__())[self.skip:]
-        self.skip = 0
-        return iter(indices)
+        indices = list(self.sampler)
+        if self.drop_last:
+            indices = indices[:len(indices) - len(indices) % self.span]
+        elif indices:
+            indices += [indices[i % len(indices)] for i in range(-len(indices) % self.span)]
+        for start in range(self.rank * self.batch_size, len(indices), self.span):
+            yield indices[start:start + self.batch_size]
 
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.sampler), self.span)
+        return full + (0 if self.drop_last or not rest else 1)
 
-def _autocast(forward, device_type: str):
-    @functools.wraps(forward)
-    def forward_in_bf16(*args, **kwargs):
-        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
-            return forward(*args, **kwargs)
-    return forward_in_bf16
+    @property
+    def real_samples_in_last(self) -> int | None:
+        rest = len(self.sampler) % self.span
+        return rest if rest and not self.drop_last else None
 
 
 # ---------------------------------------------------------------- entry points
