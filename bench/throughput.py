@@ -13,7 +13,7 @@ time, tokens/s and the share of step time spent waiting for the data loader, the
 accelerate/bare and torch/accelerate; `--out FILE` also writes them as JSON. Step times are the
 `step_time_s` windows of metrics.jsonl (log_every steps each) after the first window, which holds
 start-up, allocator warm-up and compilation. The loader wait is the time spent in `next()` on the
-micro-batch stream, measured by wrapping it from outside, as the tests inject faults.
+training stream (data.TrainBatches), measured by wrapping it from outside, as the tests inject faults.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
 
 def measure(variant: str, train_args: list[str], workdir: Path) -> dict:
     """Run one variant in this process; return its steady-state step time and loader wait."""
+    import data
     import main as accelerate_main
     import torch_ddp
     from config import load_config
@@ -86,18 +87,18 @@ def measure(variant: str, train_args: list[str], workdir: Path) -> dict:
     cfg = load_config(args)
     waits = []
 
-    def timed(batches):
-        while True:
+    def timed(next_batch):
+        def timed_next(*args):
             start = time.perf_counter()
-            batch = next(batches)
+            batch = next_batch(*args)
             waits.append(time.perf_counter() - start)
-            yield batch
+            return batch
+        return timed_next
 
     if variant == "bare":
         windows = bare_loop(cfg, timed)
     else:
-        original = accelerate_main.micro_batches
-        accelerate_main.micro_batches = lambda *a, **k: timed(original(*a, **k))
+        data.TrainBatches.__next__ = timed(data.TrainBatches.__next__)
         entry = accelerate_main.main if variant == "accelerate" else torch_ddp.main
         try:
             entry(args)
@@ -126,7 +127,7 @@ def bare_loop(cfg, timed) -> list[float]:
     torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train_set, _ = build_datasets(cfg)
-    sampler = EpochSampler(len(train_set), cfg.seed)
+    sampler = EpochSampler(len(train_set), cfg.seed, cfg.batch_size * cfg.grad_accum_steps)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
                         num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
     model = build_model(cfg).to(device)
@@ -139,11 +140,12 @@ def bare_loop(cfg, timed) -> list[float]:
             sampler.set_epoch(epoch)
             yield from loader
 
-    batches = timed(endless())
+    batches = endless()
+    next_batch = timed(lambda: next(batches))
     windows, start = [], time.perf_counter()
     for step in range(1, cfg.max_steps + 1):
         for _ in range(cfg.grad_accum_steps):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            batch = {k: v.to(device, non_blocking=True) for k, v in next_batch().items()}
             with autocast:
                 loss = model(**batch).loss
             (loss / cfg.grad_accum_steps).backward()

@@ -1,4 +1,5 @@
-"""Checkpoint protocol, in one process: round trip, atomic layout, pruning, integrity, and refusing bad files."""
+"""Checkpoint parts and protocol, in one process: round trip, a fork's own part, atomic layout, pruning,
+integrity, refusing bad files, and resuming on another world size."""
 
 import json
 import os
@@ -6,116 +7,186 @@ import pickle
 
 import pytest
 import torch
+from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader
 
 import checkpoint
 import resume as resuming
 from checkpoint import CheckpointError, TrainState, latest_checkpoint
 from config import RunError, TrainConfig
+from data import EpochSampler, TrainBatches
 from model import build_model
 from optim import build_optimizer
-
-
-class OneProcess:
-    """The plumbing members checkpoint.py uses, for a single process without a process group."""
-
-    device = torch.device("cpu")
-    is_main_process = is_local_main_process = True
-    num_processes, process_index = 1, 0
-
-    def wait_for_everyone(self):
-        pass
-
-    def reduce(self, tensor, reduction="mean"):
-        return tensor
-
-    def unwrap_model(self, model, keep_torch_compile=True):
-        return model
-
+from torch_ddp import TorchDDP
 
 IDENTITY = {"seed": 1337, "dataset": "corpus.jsonl", "train_blocks": 100, "data_fingerprint": "abc"}
 
 
-def save_checkpoint(plumbing, cfg, model, optimizer, state):
-    return checkpoint.save_checkpoint(plumbing, cfg, model, optimizer, state, IDENTITY)
+class Job:
+    """What train() checkpoints, built small: a model, an optimizer with state, a train state and a data
+    position, behind the torch path's plumbing with one process (no process group)."""
+
+    def __init__(self, tmp_path, world_size=1, **kw):
+        self.cfg = TrainConfig(**{"output_dir": str(tmp_path / "run"), "n_layer": 1, "n_head": 2, "n_embd": 16,
+                                  "block_size": 8, "keep_last": 2, **kw})
+        self.plumbing = TorchDDP(self.cfg)
+        self.plumbing.num_processes = world_size  # rank 0's view of a bigger world, without a process group
+        torch.manual_seed(0)
+        self.model = build_model(self.cfg)
+        self.optimizer = build_optimizer(self.model, self.cfg)
+        self.model(input_ids=torch.randint(0, 256, (2, 8)), labels=torch.randint(0, 256, (2, 8))).loss.backward()
+        self.optimizer.step()  # the optimizer has state worth saving
+        self.state = TrainState()
+        micro_batch = self.cfg.batch_size * world_size
+        sampler = EpochSampler(1000, seed=1, samples_per_step=micro_batch * self.cfg.grad_accum_steps)
+        self.data = TrainBatches(DataLoader(range(1000), batch_size=self.cfg.batch_size, sampler=sampler),
+                                 sampler, micro_batch)
+        self.parts = checkpoint.checkpoint_parts(self.plumbing, model=self.model, optimizer=self.optimizer,
+                                                 train_state=self.state, data=self.data)
+
+    def save(self, step, **state):
+        self.state.load_state_dict({"step": step, **state})
+        self.data.micro_batches = step * self.cfg.grad_accum_steps
+        return checkpoint.save_checkpoint(self.plumbing, self.cfg, self.parts, step, IDENTITY)
+
+    def load(self, folder, identity=IDENTITY):
+        problem = resuming.checkpoint_problem(folder)
+        if problem and "refused" not in problem:
+            raise CheckpointError(problem)
+        return resuming.load_checkpoint(self.plumbing, self.cfg, folder, self.parts, identity)
+
+    def resume(self, identity=IDENTITY):
+        log = Log()
+        resuming.resume_or_start(self.plumbing, self.cfg, self.parts, identity, log)
+        return self.state, log
 
 
-def load_checkpoint(plumbing, cfg, folder, model, optimizer, identity=IDENTITY):
-    problem = resuming.checkpoint_problem(folder)
-    if problem and "refused" not in problem:
-        raise CheckpointError(problem)
-    return resuming.load_checkpoint(plumbing, cfg, folder, model, optimizer, identity)
+class Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, message):
+        self.lines.append(message)
+
+    def warn(self, message):
+        self.lines.append(f"warning: {message}")
 
 
-def setup(tmp_path, **kw):
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), n_layer=1, n_head=2, n_embd=16, block_size=8,
-                      keep_last=2, **kw)
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    optimizer = build_optimizer(model, cfg)
-    model(input_ids=torch.randint(0, 256, (2, 8)), labels=torch.randint(0, 256, (2, 8))).loss.backward()
-    optimizer.step()  # the optimizer has state worth saving
-    return cfg, model, optimizer
+def same_tensors(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_round_trip_restores_weights_optimizer_rng_and_state(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
-    state = TrainState(step=7, samples_seen=112, tokens_seen=896, epoch=1, tracker_run_id="abc123")
+def test_round_trip_restores_every_part(tmp_path):
+    job = Job(tmp_path)
     torch.manual_seed(42)
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, state)
+    path = job.save(7, samples_seen=112, tokens_seen=896, tracker_run_id="abc123")
     expected_draw = torch.rand(3)
-    assert path.name == "step_00000007" and latest_checkpoint(cfg.output_dir) == path
+    assert path.name == "step_00000007" and latest_checkpoint(job.cfg.output_dir) == path
     manifest = json.loads((path / "manifest.json").read_text())
     assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "train_state.json",
-                                      "config.yaml"}
+                                      "data.json", "config.yaml"}
+    assert manifest["parts"] == ["data", "model", "optimizer", "rng", "train_state"]
+    assert manifest["run"] == {"world_size": 1, "batch_size": 16, "grad_accum_steps": 1, "global_batch": 16,
+                               "block_size": 8, **IDENTITY}
     assert all(len(entry["xxh3_64"]) == 16 for entry in manifest["files"].values())
+    assert json.loads((path / "data.json").read_text()) == {"micro_batches": 7, "samples_per_micro_batch": 16}
 
-    _, fresh_model, fresh_optimizer = setup(tmp_path / "other")
+    fresh = Job(tmp_path / "other")
     with torch.no_grad():
-        for p in fresh_model.parameters():
+        for p in fresh.model.parameters():
             p.add_(1.0)
     torch.manual_seed(0)
-    restored = load_checkpoint(OneProcess(), cfg, path, fresh_model, fresh_optimizer)
-    assert restored == state
-    for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(), strict=True):
-        assert torch.equal(a, b)
+    assert fresh.load(path) == ""
+    assert fresh.state == TrainState(step=7, samples_seen=112, tokens_seen=896, tracker_run_id="abc123")
+    assert fresh.data.micro_batches == 7
+    assert same_tensors(job.model.state_dict(), fresh.model.state_dict())
     exp_avg = lambda opt: [s["exp_avg"] for s in opt.state_dict()["state"].values()]  # noqa: E731
-    assert all(torch.equal(a, b) for a, b in zip(exp_avg(optimizer), exp_avg(fresh_optimizer), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(exp_avg(job.optimizer), exp_avg(fresh.optimizer), strict=True))
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
 
 
-def test_keep_last_prunes_after_commit_and_latest_ignores_partial_folders(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
+def test_a_part_a_fork_registers_is_saved_restored_bitwise_and_pruned_with_the_rest(tmp_path):
+    job = Job(tmp_path)
+    ema = AveragedModel(job.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    job.parts["ema"] = ema  # the one line a fork writes
     for step in (2, 4, 6):
-        save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=step))
-    root = checkpoint.checkpoint_root(cfg.output_dir)
+        with torch.no_grad():
+            for p in job.model.parameters():
+                p.mul_(0.5)
+        ema.update_parameters(job.model)
+        job.save(step)
+    root = checkpoint.checkpoint_root(job.cfg.output_dir)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]  # keep_last=2
+    assert "ema.safetensors" in json.loads((root / "step_00000006" / "manifest.json").read_text())["files"]
+
+    fresh = Job(tmp_path / "fresh")
+    fresh_ema = AveragedModel(fresh.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    fresh.parts["ema"] = fresh_ema
+    fresh.load(root / "step_00000006")
+    assert same_tensors(fresh_ema.state_dict(), ema.state_dict())  # n_averaged included
+    assert not same_tensors(fresh_ema.module.state_dict(), fresh.model.state_dict())
+
+    without_ema = Job(tmp_path / "plain")
+    assert without_ema.load(root / "step_00000006") == ""  # a part the run does not have is left alone
+    with pytest.raises(CheckpointError, match="has no part ema .*it holds data, model, optimizer, rng, train_state"):
+        fresh.load(Job(tmp_path / "x").save(2))
+
+
+def test_another_world_size_with_the_same_global_batch_resumes_and_another_global_batch_is_refused(tmp_path):
+    path = Job(tmp_path, world_size=1, batch_size=16).save(5)
+    torch.manual_seed(123)
+    four = Job(tmp_path / "four", world_size=4, batch_size=4)
+    torch.manual_seed(123)
+    expected_draw = torch.rand(2)
+    torch.manual_seed(123)
+    note = four.load(path)
+    assert "world_size 1 -> 4, batch_size 16 -> 4" in note and "fresh per-process random state" in note
+    assert four.state.step == 5 and four.data.micro_batches == 5  # 5 micro-batches of 16 samples
+    assert torch.equal(torch.rand(2), expected_draw)  # the saved RNG of rank 0 of 1 was not applied
+    accumulating = Job(tmp_path / "accumulating", world_size=1, batch_size=8, grad_accum_steps=2)
+    accumulating.load(path)
+    assert accumulating.data.micro_batches == 10  # 10 micro-batches of 8 samples
+    for world_size, batch_size in [(2, 16), (1, 8)]:
+        with pytest.raises(CheckpointError, match=f"global batch 16 .* this run has {world_size * batch_size}"):
+            Job(tmp_path / f"w{world_size}", world_size=world_size, batch_size=batch_size).load(path)
+    longer = Job(tmp_path / "longer", world_size=2, batch_size=8, block_size=16)  # same global batch
+    with pytest.raises(CheckpointError, match="block_size 8, this run has 16 and 16"):
+        longer.load(path)
+
+
+def test_keep_last_prunes_after_commit_and_latest_ignores_partial_folders(tmp_path):
+    job = Job(tmp_path)
+    for step in (2, 4, 6):
+        job.save(step)
+    root = checkpoint.checkpoint_root(job.cfg.output_dir)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
     (root / "step_00000008.tmp").mkdir()  # a crash mid-save
     (root / "step_00000009").mkdir()  # a folder without a manifest
-    assert latest_checkpoint(cfg.output_dir).name == "step_00000006"
-    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=10))
+    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000006"
+    job.save(10)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000006", "step_00000009", "step_00000010"]
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
-    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=3))
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=3, samples_seen=9))
+    job = Job(tmp_path)
+    job.save(3)
+    path = job.save(3, samples_seen=9)
     assert json.loads((path / "train_state.json").read_text())["samples_seen"] == 9
     assert sorted(p.name for p in path.parent.iterdir()) == ["step_00000003"]
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    cfg, model, optimizer = setup(tmp_path)
-    good = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    job = Job(tmp_path)
+    good = job.save(1)
 
     def disk_full(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_model", disk_full)
     with pytest.raises(RunError, match="saving the checkpoint of step 2 .*: .*No space left"):
-        save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=2))
+        job.save(2)
     assert [p.name for p in good.parent.iterdir()] == [good.name]
-    assert latest_checkpoint(cfg.output_dir) == good
+    assert latest_checkpoint(job.cfg.output_dir) == good
 
 
 def forge_manifest(path, name):
@@ -136,21 +207,29 @@ class Payload:
 
 @pytest.mark.parametrize("name", ["optimizer.pt", "rng_rank0.pt"])
 def test_a_malicious_pickle_is_refused_and_does_not_run(tmp_path, name):
-    cfg, model, optimizer = setup(tmp_path)
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    job = Job(tmp_path)
+    path = job.save(1)
     sentinel = tmp_path / "SENTINEL"
     (path / name).write_bytes(pickle.dumps(Payload(sentinel), protocol=2))
     forge_manifest(path, name)  # a forger rewrites the manifest too
     with pytest.raises(CheckpointError) as error:
-        load_checkpoint(OneProcess(), cfg, path, model, optimizer)
+        job.load(path)
     assert f"{path / name} refused: not a plain tensor file" in str(error.value)
     assert "\n" not in str(error.value)
     assert not sentinel.exists()
 
 
+def test_a_part_whose_state_does_not_fit_is_one_line(tmp_path):
+    job = Job(tmp_path)
+    path = job.save(1)
+    (path / "data.json").write_text(json.dumps({"position": 3}))
+    forge_manifest(path, "data.json")
+    with pytest.raises(CheckpointError, match=r"its part 'data' does not fit this run: 'micro_batches'"):
+        job.load(path)
+
+
 def test_a_tampered_or_truncated_file_fails_the_manifest(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    path = Job(tmp_path).save(1)
     data = (path / "optimizer.pt").read_bytes()
     (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
     assert resuming.checkpoint_problem(path) == f"optimizer.pt is missing or not {len(data)} bytes"
@@ -161,140 +240,110 @@ def test_a_tampered_or_truncated_file_fails_the_manifest(tmp_path):
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_anything_changes(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
-    wider = TrainConfig(**{**cfg.__dict__, "n_embd": 32})
-    other = build_model(wider)
-    before = {k: v.clone() for k, v in other.state_dict().items()}
+    path = Job(tmp_path).save(1)
+    wider = Job(tmp_path / "wider", n_embd=32)
+    before = {k: v.clone() for k, v in wider.model.state_dict().items()}
     with pytest.raises(CheckpointError, match=r"does not fit this model: .*wte.weight|does not fit this model"):
-        load_checkpoint(OneProcess(), wider, path, other, build_optimizer(other, wider))
-    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
-
-
-def test_a_different_world_size_or_batch_is_refused(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
-    two = OneProcess()
-    two.num_processes = 2
-    with pytest.raises(CheckpointError, match=r"different run geometry \(world_size 1 -> 2\)"):
-        load_checkpoint(two, cfg, path, model, optimizer)
-    bigger = TrainConfig(**{**cfg.__dict__, "batch_size": 32})
-    with pytest.raises(CheckpointError, match="batch_size 16 -> 32"):
-        load_checkpoint(OneProcess(), bigger, path, model, optimizer)
+        wider.load(path)
+    assert same_tensors(before, wider.model.state_dict())
 
 
 def test_a_folder_that_is_not_a_checkpoint(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
+    job = Job(tmp_path)
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("hello")
     assert "no readable manifest.json" in resuming.checkpoint_problem(junk)
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+    path = job.save(1)
     (path / "model.safetensors").write_bytes(pickle.dumps({"weights": 1}))
     forge_manifest(path, "model.safetensors")
     with pytest.raises(CheckpointError, match="model.safetensors is not a safetensors file"):
-        load_checkpoint(OneProcess(), cfg, path, model, optimizer)
-
-
-class Log:
-    def __init__(self):
-        self.lines = []
-
-    def info(self, message):
-        self.lines.append(message)
-
-    def warn(self, message):
-        self.lines.append(f"warning: {message}")
-
-
-def resume(cfg, model, optimizer, identity=IDENTITY):
-    log = Log()
-    return resuming.resume_or_start(OneProcess(), cfg, model, optimizer, identity, log), log
+        job.load(path)
 
 
 def test_a_crash_between_the_two_renames_of_a_resave_leaves_a_resumable_folder(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
-    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=4))
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=8))
+    job = Job(tmp_path)
+    job.save(4)
+    path = job.save(8)
     os.replace(path, path.with_name(path.name + ".stale"))  # the first rename happened, then the crash
-    assert latest_checkpoint(cfg.output_dir).name == "step_00000004"  # .stale is never parsed as a step
-    cfg.resume = "latest"
-    state, _ = resume(cfg, model, optimizer)
-    assert state.step == 8 and latest_checkpoint(cfg.output_dir) == path  # put back at start-up
-    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=12))  # pruning copes too
+    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000004"  # .stale is never parsed as a step
+    job.cfg.resume = "latest"
+    state, _ = job.resume()
+    assert state.step == 8 and latest_checkpoint(job.cfg.output_dir) == path  # put back at start-up
+    job.save(12)  # pruning copes too
 
 
 def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_path_is_refused(tmp_path):
-    cfg, model, optimizer = setup(tmp_path)
-    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=4))
-    newest = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=8))
+    job = Job(tmp_path)
+    job.save(4)
+    newest = job.save(8)
     data = bytearray((newest / "model.safetensors").read_bytes())
     data[-1] ^= 0x01
     (newest / "model.safetensors").write_bytes(bytes(data))
-    cfg.resume = "latest"
-    state, log = resume(cfg, model, optimizer)
+    job.cfg.resume = "latest"
+    state, log = job.resume()
     assert state.step == 4
     assert any(f"skipping damaged checkpoint {newest}: model.safetensors does not match its checksum" in line
                for line in log.lines), log.lines
-    cfg.resume = str(newest)
+    job.cfg.resume = str(newest)
     with pytest.raises(CheckpointError, match=f"cannot resume from {newest}: model.safetensors does not match"):
-        resume(cfg, model, optimizer)
-    cfg.resume = cfg.output_dir  # a run folder, not a checkpoint
+        job.resume()
+    job.cfg.resume = job.cfg.output_dir  # a run folder, not a checkpoint
     with pytest.raises(CheckpointError, match="it is a run folder: pass --output_dir .* --resume latest"):
-        resume(cfg, model, optimizer)
+        job.resume()
 
 
 @pytest.mark.parametrize("key, value", [("seed", 7), ("dataset", "other.jsonl"), ("train_blocks", 99),
                                         ("data_fingerprint", "def")])
 def test_resume_refuses_other_data_and_init_from_takes_the_weights_only(tmp_path, key, value):
-    cfg, model, optimizer = setup(tmp_path)
-    path = save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=5))
-    cfg.resume = "latest"
+    job = Job(tmp_path)
+    path = job.save(5)
+    job.cfg.resume = "latest"
     with pytest.raises(CheckpointError, match=f"saved for other data \\({key} .* -> {value!r}\\).*--init_from"):
-        resume(cfg, model, optimizer, {**IDENTITY, key: value})
-    fresh_cfg, fresh_model, fresh_optimizer = setup(tmp_path / "new", init_from=str(path))
+        job.resume({**IDENTITY, key: value})
+    fresh = Job(tmp_path / "new", init_from=str(path))
     with torch.no_grad():
-        next(fresh_model.parameters()).add_(1.0)
-    own_moments = fresh_optimizer.state_dict()["state"][0]["exp_avg"].clone()
-    state, log = resume(fresh_cfg, fresh_model, fresh_optimizer, {**IDENTITY, key: value})
+        next(fresh.model.parameters()).add_(1.0)
+    own_moments = fresh.optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    state, log = fresh.resume({**IDENTITY, key: value})
     assert state.step == 0 and any("init_from" in line for line in log.lines)
-    assert all(torch.equal(a, b) for a, b in zip(fresh_model.parameters(), model.parameters(), strict=True))
-    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], own_moments)  # not the checkpoint's
+    assert same_tensors(fresh.model.state_dict(), job.model.state_dict())
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"], own_moments)  # not the checkpoint's
 
 
 def test_any_failure_on_a_process_fails_the_save_everywhere(tmp_path, monkeypatch):
-    cfg, model, optimizer = setup(tmp_path)
+    job = Job(tmp_path)
 
     def broken_state(*_args):
         raise TypeError("cannot pickle 'generator' object")  # not an OSError: before, the others waited forever
 
     monkeypatch.setattr(checkpoint, "rng_state", broken_state)
     with pytest.raises(RunError, match="cannot pickle"):
-        save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
-    assert not list(checkpoint.checkpoint_root(cfg.output_dir).iterdir())
+        job.save(1)
+    assert not list(checkpoint.checkpoint_root(job.cfg.output_dir).iterdir())
 
 
 def test_a_failed_publish_is_one_line(tmp_path, monkeypatch):
-    cfg, model, optimizer = setup(tmp_path)
+    job = Job(tmp_path)
 
     def read_only(*_args):
         raise PermissionError(13, "Permission denied", str(tmp_path))
 
     monkeypatch.setattr(checkpoint.os, "replace", read_only)
     with pytest.raises(RunError, match="committing .*step_00000001: .*Permission denied"):
-        save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=1))
+        job.save(1)
 
 
 def test_a_resume_keeps_the_lr_horizon_unless_lr_decay_steps_is_given(tmp_path):
-    cfg, model, optimizer = setup(tmp_path, max_steps=20)
-    save_checkpoint(OneProcess(), cfg, model, optimizer, TrainState(step=20, lr_decay_steps=20))
-    cfg.resume, cfg.max_steps = "latest", 40
-    state, log = resume(cfg, model, optimizer)
-    assert cfg.decay_steps == state.lr_decay_steps == 20  # extended at min_lr
+    job = Job(tmp_path, max_steps=20)
+    job.save(20, lr_decay_steps=20)
+    job.cfg.resume, job.cfg.max_steps = "latest", 40
+    state, log = job.resume()
+    assert job.cfg.decay_steps == state.lr_decay_steps == 20  # extended at min_lr
     assert any("pass --lr_decay_steps 40 to stretch it" in line for line in log.lines), log.lines
-    cfg.lr_decay_steps = 40
-    state, _ = resume(cfg, model, optimizer)
-    assert cfg.decay_steps == state.lr_decay_steps == 40  # stretched, on purpose
-    cfg.max_steps = 10
+    job.cfg.lr_decay_steps = 40
+    state, _ = job.resume()
+    assert job.cfg.decay_steps == state.lr_decay_steps == 40  # stretched, on purpose
+    job.cfg.max_steps = 10
     with pytest.raises(CheckpointError, match="is at step 20, past max_steps 10: pass --max_steps 20 or more"):
-        resume(cfg, model, optimizer)
+        job.resume()

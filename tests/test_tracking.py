@@ -7,6 +7,7 @@ import torch
 
 from config import TrainConfig
 from model import build_model
+from torch_ddp import TorchDDP
 from tracking import MetricsLogger, Throughput, flops_per_token, peak_flops_per_gpu, wandb_init_kwargs
 
 
@@ -44,19 +45,11 @@ def test_no_mfu_or_gpu_memory_on_cpu():
     assert "mfu" not in report and "peak_mem_gib" not in report
 
 
-class NotMain:
-    is_main_process = is_local_main_process = False
-    trackers = []
-
-
-class Main:
-    is_main_process = is_local_main_process = True
-    trackers = []
-
-
-def test_logger_is_a_no_op_off_the_main_process(tmp_path):
+def test_logger_is_a_no_op_off_the_main_process(tmp_path, monkeypatch):
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
-    log = MetricsLogger(cfg, NotMain())
+    monkeypatch.setenv("RANK", "1")  # the view of rank 1 (on another node), without a process group
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    log = MetricsLogger(cfg, TorchDDP(cfg))
     log.start(0, {"processes": 2})
     log.start_trackers("abc", 0)
     log.log(1, {"loss": 1.0})
@@ -81,7 +74,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     (tmp_path / "run").mkdir()
     torn = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo'
     (tmp_path / "run" / "metrics.jsonl").write_text(torn)
-    log = MetricsLogger(cfg, Main())
+    log = MetricsLogger(cfg, TorchDDP(cfg))
     log.start(2, {})  # resumed at step 2: the crash tore the row of step 3 mid-write
     log.log(3, {"loss": 1.25})
     log.close()

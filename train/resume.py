@@ -142,9 +142,9 @@ def load_checkpoint(plumbing, cfg, folder: Path, parts: dict, identity: dict) ->
             raise CheckpointError(f"{folder}: its part '{name}' does not fit this run: {first_line(e)}") from None
     if same_world:
         return ""
-    return (f"; world size {saved['world_size']} -> {now['world_size']}, batch_size {saved['batch_size']} -> "
-            f"{now['batch_size']}, grad_accum_steps {saved['grad_accum_steps']} -> {now['grad_accum_steps']}: the "
-            f"same global batch, the same samples in every step; the per-process random state starts afresh")
+    changed = ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in ("world_size", "batch_size", "grad_accum_steps")
+                        if saved[k] != now[k])
+    return f"; {changed}: the same global batch and samples in every step, a fresh per-process random state"
 
 
 def _read_part(folder: Path, name: str, part, plumbing):

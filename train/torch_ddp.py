@@ -93,15 +93,14 @@ class TorchDDP:
         return total / self.num_processes if reduction == "mean" else total
 
     def gather_for_metrics(self, data):
-        if isinstance(data, dict):
-            return {key: self.gather_for_metrics(value) for key, value in data.items()}
-        if isinstance(data, (tuple, list)):
-            return type(data)(self.gather_for_metrics(value) for value in data)
+        return map_tensors(self._gather, data)
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
-            parts = [torch.empty_like(data) for _ in range(self.num_processes)]
-            dist.all_gather(parts, data.contiguous())
-            data = torch.cat(parts)  # rank order is sample order (ShardedLoader)
-        return data if self._real_samples is None else data[:self._real_samples]
+            parts = [torch.empty_like(tensor) for _ in range(self.num_processes)]
+            dist.all_gather(parts, tensor.contiguous())
+            tensor = torch.cat(parts)  # rank order is sample order (ShardedLoader)
+        return tensor if self._real_samples is None else tensor[:self._real_samples]
 
     @contextmanager
     def main_process_first(self, first: bool | None = None):
@@ -157,6 +156,15 @@ class TorchDDP:
             dist.destroy_process_group()
 
 
+def map_tensors(fn, data):
+    """fn applied to every tensor in nested dicts, tuples and lists."""
+    if isinstance(data, dict):
+        return {key: map_tensors(fn, value) for key, value in data.items()}
+    if isinstance(data, (tuple, list)):
+        return type(data)(map_tensors(fn, value) for value in data)
+    return fn(data) if isinstance(data, torch.Tensor) else data
+
+
 class Autocast(torch.nn.Module):
     """bf16: the wrapped module's forward runs under torch.autocast, as Accelerate runs a prepared model's."""
 
@@ -188,7 +196,7 @@ class ShardedLoader:
         device, last = self.plumbing.device, len(self.loader) - 1
         for index, batch in enumerate(self.loader):
             self.plumbing._real_samples = self.batches.real_samples_in_last if index == last else None
-            yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            yield map_tensors(lambda tensor: tensor.to(device, non_blocking=True), batch)
         self.plumbing._real_samples = None
 
     def __len__(self) -> int:

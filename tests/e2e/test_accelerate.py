@@ -16,18 +16,9 @@ from config import load_config
 from conftest import FAULTY_MAIN, REPO, launch_accelerate, read_metrics, run_python, tiny_args, write_corpus
 from main import evaluate
 from model import build_model
+from torch_ddp import TorchDDP
 
 pytestmark = pytest.mark.slow
-
-
-class SingleProcess:
-    """The members of Accelerator that evaluate() uses, for one process."""
-
-    device = torch.device("cpu")
-
-    @staticmethod
-    def gather_for_metrics(tensor):
-        return tensor
 
 
 def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
@@ -62,7 +53,7 @@ def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
     model = build_model(cfg)
     load_model(model, str(out / "model.safetensors"))  # strict: every tensor (tied ones are stored once)
     loader = torch.utils.data.DataLoader(eval_set, batch_size=5, collate_fn=data.collate)
-    eval_loss = evaluate(model, loader, SingleProcess())
+    eval_loss = evaluate(model, loader, TorchDDP(cfg))
     assert eval_loss == pytest.approx(eval_rows[-1]["eval_loss"], rel=1e-5)
 
 
@@ -75,11 +66,9 @@ def test_each_rank_trains_on_its_own_shard(tmp_path, corpus):
     rank0, rank1 = (json.loads((tmp_path / "ids" / f"rank{r}.json").read_text()) for r in (0, 1))
     assert len(rank0) == len(rank1) == steps_per_epoch * cfg.batch_size
     assert not set(rank0) & set(rank1), "ranks trained on the same sample"
-    sampler = data.EpochSampler(train_len, cfg.seed)
-    epoch0 = list(sampler)
-    used = steps_per_epoch * cfg.batch_size * 2
-    assert sorted(rank0 + rank1) == sorted(epoch0[:used])  # together: the whole epoch, minus the drop_last tail
-    assert train_len - used < cfg.batch_size * 2
+    sampler = data.EpochSampler(train_len, cfg.seed, cfg.batch_size * 2)
+    assert sorted(rank0 + rank1) == sorted(sampler)  # together: the whole epoch, less a tail of under a global batch
+    assert train_len - len(sampler) < cfg.batch_size * 2
 
 
 def test_one_and_two_processes_agree_at_the_same_global_batch(tmp_path, corpus):

@@ -3,7 +3,7 @@ the uninterrupted run, with every step logged exactly once.
 
 The moments are events counted by tests/helpers/faulty_main.py (FAULT_KILL_EVENT): preparing the data,
 every collective decision (locking the run folder, choosing and loading the checkpoint, each phase of a
-save, the export), every logging step, writing a save's shared files, and pruning (after a publish).
+save, the export), every logging step, the middle of the writer's save, and pruning (after a publish).
 KILL_FUZZ_POINTS=50 python -m pytest tests/e2e/test_kill_fuzz.py runs the long version (default 5).
 """
 

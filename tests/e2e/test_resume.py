@@ -35,11 +35,13 @@ def resume(run_dir, corpus, tmp_path):
 def test_keep_last_and_layout_of_the_baseline(baseline):
     root = baseline.output_dir / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_00000016", "step_00000024"]  # keep_last 2 of 8/16/24
-    files = json.loads((root / "step_00000024" / "manifest.json").read_text())["files"]
-    assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "train_state.json",
-            "config.yaml"} == set(files)
+    manifest = json.loads((root / "step_00000024" / "manifest.json").read_text())
+    assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "train_state.json", "data.json",
+            "config.yaml"} == set(manifest["files"])
     state = json.loads((root / "step_00000024" / "train_state.json").read_text())
-    assert (state["step"], state["world_size"], state["samples_seen"]) == (24, 2, 24 * 16)
+    assert (state["step"], manifest["run"]["world_size"], state["samples_seen"]) == (24, 2, 24 * 16)
+    position = json.loads((root / "step_00000024" / "data.json").read_text())
+    assert position == {"micro_batches": 24 * 2, "samples_per_micro_batch": 8}  # 2 ranks x 4, 2 micro-steps a step
 
 
 def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path, corpus):

@@ -9,14 +9,15 @@ Environment variables, each optional, read once at start-up:
                  sigkill  SIGKILL this process (a crashed node)
     FAULT_STARTUP=action  the same actions, while the datasets are being prepared (start-up)
     FAULT_SAVE_AT=name    SIGKILL this process inside a checkpoint save, at the point `name`:
-                          after_model | after_shared | before_publish
+                          after_model | after_parts | before_publish
     FAULT_SAVE_NUMBER=n   ... inside the n-th save of this process (default 1)
     FAULT_ONCE=path       only if this file does not exist yet (it is created): a relaunch runs clean
     FAULT_NAN_STEP=k      from optimizer step k on, the training loss is nan (a diverged run)
     FAULT_INF_GRAD_STEP=k at optimizer step k, the gradients are inf while the loss stays finite
     FAULT_KILL_EVENT=n    SIGKILL at the n-th event of this process: a collective decision (start-up,
-                          each phase of a save, export), a logging step, writing the shared files of a
-                          save, pruning (after a publish), preparing the data (fuzzing, see test_fuzz)
+                          each phase of a save, export), a logging step, the writer's save between
+                          the weights and the optimizer, pruning (after a publish), preparing the data
+                          (fuzzing, see test_kill_fuzz)
     FAULT_DISK_FULL_STEP=k  writing the metrics row of step k fails with ENOSPC (a full disk outside a save)
     FAULTY_ENTRY=torch_ddp  run train/torch_ddp.py's main() instead of train/main.py's
     RECORD_SAMPLES=dir    each rank writes the train sample indices it drew to dir/rank{r}.json
@@ -88,8 +89,14 @@ def inject_save_fault(point: str, save_number: int) -> None:
 
     if point == "after_model":
         checkpoint.save_model = die_after(checkpoint.save_model)
-    elif point == "after_shared":
-        checkpoint.write_shared_files = die_after(checkpoint.write_shared_files)
+    elif point == "after_parts":  # after this process wrote its last part
+        original_write = checkpoint.write_part
+
+        def write_part(folder, name, *args):
+            original_write(folder, name, *args)
+            if name == "rng" and due():
+                os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint.write_part = write_part
     elif point == "before_publish":
         original = checkpoint._publish
 
@@ -155,16 +162,19 @@ def kill_at_event(n: int) -> None:
     """Count the moments where a crash hurts most and SIGKILL this process at the n-th."""
     events = {"n": 0}
 
-    def counted(fn):
+    def counted(fn, counts=lambda *args: True):
         def wrapper(*args, **kwargs):
-            events["n"] += 1
-            if events["n"] == n and armed():
-                os.kill(os.getpid(), signal.SIGKILL)
+            if counts(*args):
+                events["n"] += 1
+                if events["n"] == n and armed():
+                    os.kill(os.getpid(), signal.SIGKILL)
             return fn(*args, **kwargs)
         return wrapper
 
     job.collectively = checkpoint.collectively = resume.collectively = counted(job.collectively)
-    checkpoint.write_shared_files = counted(checkpoint.write_shared_files)
+    # mid-save on the writer: its weights are written, the optimizer's state not yet
+    checkpoint.write_part = counted(checkpoint.write_part, lambda folder, name, part, plumbing, writer:
+                                    writer and name == "optimizer")
     checkpoint.prune_checkpoints = counted(checkpoint.prune_checkpoints)
     job.StopSignals.requested = counted(job.StopSignals.requested)
     main.build_datasets = counted(main.build_datasets)

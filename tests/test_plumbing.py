@@ -1,0 +1,85 @@
+"""The plumbing contract (train/plumbing.py) is code: both plumbings satisfy it, and it names exactly what the
+training code uses of them. TorchDDP's own pieces, in one process."""
+
+import ast
+import inspect
+import typing
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from config import TrainConfig
+from conftest import REPO
+from plumbing import Plumbing
+from torch_ddp import Autocast, ShardedLoader, TorchDDP
+
+USERS = ["main.py", "checkpoint.py", "resume.py", "tracking.py", "job.py"]  # the code the contract serves
+METHODS = [name for name, member in vars(Plumbing).items() if inspect.isfunction(member) and not name.startswith("_")]
+ATTRIBUTES = list(typing.get_type_hints(Plumbing))
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    return Accelerator(cpu=True)
+
+
+def members_used_by_the_training_code() -> set[str]:
+    """Every attribute read through a name `accelerator` or `plumbing` (or `self.plumbing`) in USERS."""
+    used = set()
+    for name in USERS:
+        for node in ast.walk(ast.parse((REPO / "train" / name).read_text())):
+            if isinstance(node, ast.Attribute):
+                owner = node.value
+                if isinstance(owner, ast.Attribute) and owner.attr == "plumbing":
+                    used.add(node.attr)
+                elif isinstance(owner, ast.Name) and owner.id in ("accelerator", "plumbing"):
+                    used.add(node.attr)
+    return used
+
+
+def test_the_contract_names_exactly_what_the_training_code_uses():
+    assert members_used_by_the_training_code() == set(METHODS) | set(ATTRIBUTES)
+
+
+@pytest.mark.parametrize("which", ["accelerate", "torch"])
+def test_both_plumbings_satisfy_the_contract_with_compatible_signatures(which, accelerator):
+    plumbing = accelerator if which == "accelerate" else TorchDDP(TrainConfig())
+    assert isinstance(plumbing, Plumbing)
+    for name in METHODS:
+        wanted = inspect.signature(getattr(Plumbing, name))
+        params = [p for p in wanted.parameters.values() if p.name != "self"]
+        args = [object() for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
+        kwargs = {p.name: object() for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty}
+        inspect.signature(getattr(plumbing, name)).bind(*args, **kwargs)  # raises TypeError if it does not fit
+
+
+def test_prepare_takes_any_objects_like_accelerate():
+    plumbing = TorchDDP(TrainConfig())
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    prepared = plumbing.prepare(model, optimizer, scheduler, DataLoader(range(8), batch_size=2))
+    assert len(prepared) == 4 and prepared[1] is optimizer and prepared[2] is scheduler
+    assert isinstance(prepared[3], ShardedLoader) and [b.tolist() for b in prepared[3]] == [[0, 1], [2, 3], [4, 5],
+                                                                                            [6, 7]]
+    assert plumbing.prepare(model) is model  # one object in, one out
+
+
+def test_bf16_wraps_the_module_and_unwrap_model_takes_every_wrapper_off():
+    plumbing = TorchDDP(TrainConfig(mixed_precision="bf16"))
+    model = torch.nn.Linear(4, 4)
+    prepared = plumbing.prepare(model)
+    assert isinstance(prepared, Autocast) and prepared(torch.ones(2, 4)).dtype == torch.bfloat16
+    assert plumbing.unwrap_model(prepared, keep_torch_compile=False) is model
+    assert plumbing.unwrap_model(torch.compile(prepared), keep_torch_compile=False) is model
+
+
+def test_gather_for_metrics_takes_nested_data_and_keeps_no_state():
+    plumbing = TorchDDP(TrainConfig())
+    data = {"loss": torch.arange(3.0), "pair": (torch.ones(2), [torch.zeros(1)])}
+    for _ in range(2):  # the same answer however often it is called
+        gathered = plumbing.gather_for_metrics(data)
+        assert torch.equal(gathered["loss"], data["loss"]) and isinstance(gathered["pair"], tuple)
+        assert isinstance(gathered["pair"][1], list) and torch.equal(gathered["pair"][1][0], torch.zeros(1))
