@@ -1,4 +1,4 @@
-"""The pure-torch path: torchrun, one plain process and mp.spawn; equivalence with the Accelerate path."""
+"""The pure-torch path: torchrun, one plain process and mp.spawn; bitwise equality with the Accelerate path."""
 
 import pytest
 import torch
@@ -15,26 +15,22 @@ from conftest import (
 
 pytestmark = pytest.mark.slow
 
-EQUIVALENCE = dict(max_steps=20, grad_accum_steps=2, eval_every=10, save_every=0)
+# the issue's configuration: amplifies any difference in how a global batch is summed (a strided split drifted
+# by 1e-3 in 25 steps)
+BITWISE = dict(max_steps=100, grad_accum_steps=2, dropout=0.1, lr=2e-3, eval_every=50, save_every=50)
 
 
-def test_torchrun_matches_accelerate_step_for_step(tmp_path, corpus):
-    """Same seed, data and global batch on 2 CPU processes: the same losses and final weights."""
-    accelerate = launch_accelerate(tiny_args(tmp_path / "acc", corpus, **EQUIVALENCE), tmp_path).check()
-    torchrun = launch_torchrun(tiny_args(tmp_path / "ddp", corpus, **EQUIVALENCE), tmp_path).check()
+def test_torchrun_and_accelerate_are_bitwise_identical(tmp_path, corpus):
+    """Same config on 2 CPU processes: every logged loss, eval loss and final weight exactly equal (==)."""
+    accelerate = launch_accelerate(tiny_args(tmp_path / "acc", corpus, **BITWISE), tmp_path).check()
+    torchrun = launch_torchrun(tiny_args(tmp_path / "ddp", corpus, **BITWISE), tmp_path).check()
     a, b = accelerate.losses(), torchrun.losses()
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5), (step, a[step], b[step])
+    assert sorted(a) == list(range(1, 101)) and a == b
     eval_a = [r["eval_loss"] for r in accelerate.metrics() if "eval_loss" in r]
-    eval_b = [r["eval_loss"] for r in torchrun.metrics() if "eval_loss" in r]
-    assert eval_b == pytest.approx(eval_a, rel=1e-5)
+    assert len(eval_a) == 2 and eval_a == [r["eval_loss"] for r in torchrun.metrics() if "eval_loss" in r]
     wa, wb = load_weights(tmp_path / "acc/model.safetensors"), load_weights(tmp_path / "ddp/model.safetensors")
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5)
-    assert (tmp_path / "ddp" / "config.yaml").exists()
-    assert (tmp_path / "ddp" / "checkpoints" / "step_00000020" / "manifest.json").exists()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert (tmp_path / "ddp" / "checkpoints" / "step_00000100" / "manifest.json").exists()
 
 
 def test_one_plain_process_and_mp_spawn(tmp_path, corpus):
@@ -58,12 +54,12 @@ def test_resume_from_its_own_checkpoint_is_exact(tmp_path, corpus, torch_baselin
     assert all(torch.equal(reference[k], replayed[k]) for k in reference)
 
 
-def test_an_accelerate_checkpoint_resumes_on_the_torch_path(tmp_path, corpus, baseline):
-    """One checkpoint format for both plumbings. Not bitwise (with dropout, the two paths put a global
-    batch's samples on different ranks, so the per-rank dropout masks differ), but close."""
+def test_an_accelerate_checkpoint_resumes_on_the_torch_path_exactly(tmp_path, corpus, baseline):
+    """One checkpoint format and one data split for both plumbings: the torch path continues the Accelerate
+    run's steps 17-24 bitwise (dropout masks included: every rank resumes its own RNG on its own samples)."""
     checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
     resumed = launch_torchrun([*baseline_args(tmp_path / "run", corpus), "--resume", checkpoint], tmp_path).check()
     assert "(step 16)" in resumed.output
-    losses, reference = resumed.losses(), baseline.losses()
-    assert sorted(losses) == list(range(17, 25))
-    assert losses[17] == pytest.approx(reference[17], rel=0.05)
+    assert resumed.losses() == {s: v for s, v in baseline.losses().items() if s > 16}
+    reference, replayed = (load_weights(d / "model.safetensors") for d in (baseline.output_dir, tmp_path / "run"))
+    assert all(torch.equal(reference[k], replayed[k]) for k in reference)

@@ -1,6 +1,6 @@
 """Two "nodes" on one machine: two launchers with machine ranks 0 and 1 on 127.0.0.1, 2 CPU processes each.
 
-Compared with one launcher of 4 processes at the same global batch: the same losses, one metrics.jsonl,
+Compared with one launcher of 4 processes: bitwise the same losses and weights, one metrics.jsonl,
 one set of checkpoints. Also: a node that dies mid-run, and a launch whose world size does not add up.
 """
 
@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import (
     MAIN,
@@ -19,6 +20,7 @@ from conftest import (
     base_env,
     free_port,
     launch_accelerate,
+    load_weights,
     read_metrics,
     tiny_args,
 )
@@ -86,10 +88,12 @@ def four_processes(tmp_path_factory, corpus):
 
 
 def assert_same_run(output_dir, reference):
+    """Bitwise: the same 4 ranks, the same split of every global batch, the same reductions."""
     losses = {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
-    assert sorted(losses) == list(range(1, 9))
-    for step, loss in reference.losses().items():
-        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert sorted(losses) == list(range(1, 9)) and losses == reference.losses()
+    weights, expected = load_weights(output_dir / "model.safetensors"), load_weights(
+        reference.output_dir / "model.safetensors")
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
 def test_two_accelerate_launchers_make_one_world(tmp_path, corpus, four_processes):
