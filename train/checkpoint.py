@@ -6,16 +6,12 @@
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
     <output_dir>/model.safetensors              the exported model at the end of training
 
-A checkpoint holds named state parts, each an object with state_dict() / load_state_dict() (checkpoint_parts).
-How a part is written follows from what it is: a module as safetensors weights, a per-process part (RNG) by
-every process, anything else by the writer, as JSON if its state is plain values, else as a tensor file.
-
-A save is one transaction: tmp folder, every process writes its parts, all processes vote (a failure on any
-process is an error on every process, job.collectively), the manifest is written last, one rename publishes,
-then older checkpoints are pruned. The main process writes the shared files; on node-local disks
-(`--shared_filesystem false`) each node's local main process does, so every node holds a complete copy.
-Both plumbings use these functions, so a checkpoint written by one resumes under the other. The template owns
-the format instead of `accelerator.save_state`, which writes straight into its final folder, pickles RNG
+A checkpoint holds named state parts, objects with state_dict() / load_state_dict() (checkpoint_parts). A save
+is one transaction: tmp folder, every process writes its parts, all vote (a failure on any process is an error
+on every process, job.collectively), the manifest last, one rename publishes, then older ones are pruned.
+The main process writes the shared files; on node-local disks (`--shared_filesystem false`) each node's local
+main process does. Both plumbings use these functions: a checkpoint of one resumes under the other. The template
+owns the format instead of `accelerator.save_state`, which writes straight into its final folder, pickles RNG
 states, and trains on after a refused RNG file (RELIABILITY.md, measured).
 """
 
@@ -48,11 +44,9 @@ class CheckpointError(ConfigError):
 
 @dataclass
 class TrainState:
-    """Where training is (a checkpoint part). The data position is the data part's (data.TrainBatches)."""
+    """Where training is (a checkpoint part). Samples seen = step x global batch; the data position: data.py."""
 
     step: int = 0  # optimizer steps completed
-    samples_seen: int = 0
-    tokens_seen: int = 0
     tracker_run_id: str = ""  # the W&B run to continue on resume
     lr_decay_steps: int = 0  # the LR schedule's horizon, fixed at the run's first start (see config.py)
 
@@ -65,15 +59,27 @@ class TrainState:
 
 
 class ProcessRNG:
-    """This process's random generators (Python, NumPy, torch, CUDA): dropout masks differ per process."""
+    """This process's random generators (Python, NumPy, torch, CUDA), as tensors and lists (weights_only)."""
 
     per_process = True  # written by every process, as <name>_rank{r}.pt
 
     def state_dict(self) -> dict:
-        return rng_state()
+        np_state = np.random.get_state()
+        version, words, gauss = random.getstate()
+        state = {"python": [version, list(words), gauss],
+                 "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]], "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        set_rng_state(state)
+        version, words, gauss = state["python"]
+        random.setstate((version, tuple(words), gauss))
+        name, keys, *rest = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+        torch.set_rng_state(state["torch"])
+        if torch.cuda.is_available() and "cuda" in state:
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def checkpoint_parts(plumbing, **parts) -> dict:
@@ -104,8 +110,7 @@ def committed_checkpoints(output_dir: str) -> list[Path]:
 
 
 def latest_checkpoint(output_dir: str) -> Path | None:
-    found = committed_checkpoints(output_dir)
-    return found[-1] if found else None
+    return next(reversed(committed_checkpoints(output_dir)), None)
 
 
 # ---------------------------------------------------------------- save
@@ -116,7 +121,8 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Pa
     final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     writer = is_writer(plumbing, cfg)
-    collectively(plumbing, f"creating {tmp}", lambda: writer and _fresh_folder(tmp))
+    collectively(plumbing, f"creating {tmp}", lambda: writer and (shutil.rmtree(tmp, ignore_errors=True),
+                                                                  tmp.mkdir(parents=True)))
 
     def write_parts():
         for name, part in parts.items():
@@ -126,7 +132,10 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Pa
 
     collectively(plumbing, f"saving the checkpoint of step {step} to {tmp}", write_parts,
                  on_failure=lambda: writer and shutil.rmtree(tmp, ignore_errors=True))
-    ranks = range(plumbing.num_processes) if cfg.shared_filesystem else ranks_on_this_node(plumbing.num_processes)
+    ranks = range(plumbing.num_processes)
+    if not cfg.shared_filesystem:  # this node's copy holds this node's ranks (torchrun sets these variables)
+        per_node, node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks))), int(os.environ.get("GROUP_RANK", "0"))
+        ranks = range(node * per_node, (node + 1) * per_node)
     per_process = [name for name, part in parts.items() if getattr(part, "per_process", False)]
     about = {"step": step, "run": {**run_geometry(plumbing, cfg), **identity}, "parts": sorted(parts)}
     collectively(plumbing, f"committing {final}", lambda: writer and (
@@ -135,17 +144,11 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Pa
     return final
 
 
-def _fresh_folder(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-
-
 def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
-    """A module as <name>.safetensors; a per-process part as <name>_rank{r}.pt from every process; any other
-    part's state as <name>.json when it is plain values (readable), else <name>.pt (tensors, read back with
-    weights_only). Only the writer writes shared parts. A sharded plumbing (FSDP) writes its modules here."""
+    """A module as <name>.safetensors, a per-process part as <name>_rank{r}.pt by every process, any other part by
+    the writer: <name>.json if its state is plain values, else <name>.pt (tensors, read back weights_only)."""
     if getattr(part, "per_process", False):
-        _save_tensors(part.state_dict(), folder / f"{name}_rank{plumbing.process_index}.pt")
+        _write_file(folder / f"{name}_rank{plumbing.process_index}.pt", part.state_dict())
     elif not writer:
         return
     elif isinstance(part, torch.nn.Module):
@@ -155,14 +158,7 @@ def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
         try:
             _write_file(folder / f"{name}.json", json.dumps(state, indent=2).encode())
         except TypeError:  # not JSON (raised before the file is opened): it holds tensors
-            _save_tensors(state, folder / f"{name}.pt")
-
-
-def ranks_on_this_node(world_size: int) -> range:
-    """Global ranks launched on this node (torchrun, and so accelerate launch, set these variables)."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    node = int(os.environ.get("GROUP_RANK", "0"))
-    return range(node * per_node, (node + 1) * per_node)
+            _write_file(folder / f"{name}.pt", state)
 
 
 def _publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
@@ -180,7 +176,9 @@ def _publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
         shutil.rmtree(stale)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    directory = os.open(final.parent, os.O_RDONLY)  # the rename itself, durable
+    os.fsync(directory)
+    os.close(directory)
 
 
 def recover_interrupted_swap(output_dir: str) -> None:
@@ -188,10 +186,7 @@ def recover_interrupted_swap(output_dir: str) -> None:
     put it back. Called by the writer at start-up, under the run folder's lock."""
     for stale in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*.stale"):
         final = stale.with_suffix("")
-        if final.exists():
-            shutil.rmtree(stale)
-        else:
-            os.replace(stale, final)
+        shutil.rmtree(stale) if final.exists() else os.replace(stale, final)
 
 
 def prune_checkpoints(output_dir: str, keep_last: int) -> None:
@@ -211,16 +206,10 @@ def save_safetensors(module, path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def _save_tensors(obj, path: Path) -> None:
+def _write_file(path: Path, data) -> None:
+    """Bytes as they are, anything else with torch.save; on disk (fsync) before a manifest can name it."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
+        f.write(data) if isinstance(data, bytes) else torch.save(data, f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -233,37 +222,6 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ---------------------------------------------------------------- RNG, as tensors and plain lists
-
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    version, words, gauss = random.getstate()
-    state = {"python": [version, list(words), gauss],
-             "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]], "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    version, words, gauss = state["python"]
-    random.setstate((version, tuple(words), gauss))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # ---------------------------------------------------------------- export
 
 
@@ -271,11 +229,6 @@ def export_model(plumbing, model, output_dir: str) -> Path:
     """The trained weights as <output_dir>/model.safetensors (main process; collective barrier)."""
     path = Path(output_dir) / "model.safetensors"
     tmp = path.with_name(path.name + ".tmp")
-
-    def export():
-        if plumbing.is_main_process:
-            save_safetensors(plumbing.unwrap_model(model, keep_torch_compile=False), tmp)  # no _orig_mod. prefixes
-            os.replace(tmp, path)
-
-    collectively(plumbing, f"exporting {path}", export)
+    collectively(plumbing, f"exporting {path}", lambda: plumbing.is_main_process and (
+        save_safetensors(plumbing.unwrap_model(model, keep_torch_compile=False), tmp), os.replace(tmp, path)))
     return path

@@ -2,16 +2,13 @@
 
     python train/main.py --config train/configs/tiny.yaml --lr 3e-4 --max_steps 200
 
-Precedence: dataclass defaults < --config YAML < --key value flags. Every value is checked in
-`validate()` before any process group, port or output folder exists; a bad one raises ConfigError
-with one line naming the key, and the entry points turn that into `error: ...` and exit code 2.
-The stdlib + PyYAML (already required by accelerate) do this in a page; `--help` lists every key
-with the comment written next to it below.
+Precedence: dataclass defaults < --config YAML < --key value flags. Every value is checked in `validate()`
+before any process group, port or output folder exists: a bad one is a ConfigError, one line naming the key
+(`error: ...`, exit code 2). `--help` lists every key with the comment written next to it below.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 import os
@@ -217,11 +214,9 @@ def _read_yaml(path: str) -> dict:
         where = f"{path}:{mark.line + 1}" if mark else path
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config: {where}: invalid YAML: {problem}") from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
+    if not isinstance(values, (dict, type(None))):  # None: an empty file
         raise ConfigError(f"config: {path} must hold a mapping of key: value, not {type(values).__name__}")
-    return values
+    return values or {}
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -229,28 +224,18 @@ _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 def _coerce(key: str, raw, type_name: str):
     """Turn a YAML value or a CLI string into the field's type, or raise ConfigError naming the key."""
-    if type_name == "bool":
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() in _TRUE + _FALSE:
-            return str(raw).lower() in _TRUE
-    elif type_name == "int":
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and re.fullmatch(r"[+-]?\d+", raw.strip()):
-            return int(raw)
-    elif type_name == "float":
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
+    exact = not isinstance(raw, bool)  # YAML's true is no number, and no string either
+    if type_name == "bool" and (not exact or str(raw).lower() in _TRUE + _FALSE):
+        return raw if not exact else str(raw).lower() in _TRUE
+    if type_name == "int" and exact and not isinstance(raw, float) and re.fullmatch(r"[+-]?\d+", str(raw).strip()):
+        return int(raw)
+    if type_name == "float" and exact and isinstance(raw, (int, float, str)):
         try:
             return float(raw)
-        except (TypeError, ValueError):
+        except ValueError:
             pass
-    elif type_name == "str":
-        if raw is None:
-            return ""
-        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
-            return str(raw)
+    if type_name == "str" and (raw is None or exact and isinstance(raw, (str, int, float))):
+        return "" if raw is None else str(raw)
     raise ConfigError(f"{key} must be {'an' if type_name == 'int' else 'a'} {type_name} (got {raw!r})")
 
 
@@ -269,7 +254,3 @@ def usage() -> str:
     for f in fields(TrainConfig):
         lines.append(f"  --{f.name:<17} {f.type:<5} default {f.default!r:<24} {comments.get(f.name, '')}")
     return "\n".join(lines)
-
-
-def to_dict(cfg: TrainConfig) -> dict:
-    return dataclasses.asdict(cfg)

@@ -1,9 +1,8 @@
 """Data: text in through Hugging Face `datasets`, packed into fixed-length byte blocks.
 
-FORK POINT 2: to train on your own data, replace the body of `build_datasets` (and `tokenize`).
-The loop needs two map-style datasets whose items `collate` turns into the model's keyword
-arguments (`input_ids`, `labels`). Sharding across processes is not done here: the plumbing
-(`prepare`) does it, so nothing in this file looks at ranks.
+FORK POINT 2: to train on your own data, replace the body of `build_datasets` (and `tokenize`). The loop needs
+two map-style datasets whose items `collate` turns into the model's keyword arguments (`input_ids`, `labels`).
+The plumbing's `prepare` shards them across processes: nothing in this file looks at ranks.
 
 `dataset` (a config key) selects the text:
     python_stdlib                 the .py files of this Python's standard library, read at run time
@@ -87,7 +86,8 @@ def load_text(cfg):
         try:
             splits = datasets.load_dataset(source, cfg.dataset_config or None)
         except Exception as e:  # offline, unknown name, no access: all the same to the user
-            offline = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if _offline() else ""
+            offline = any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+            offline = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if offline else ""
             raise ConfigError(f"dataset '{source}' could not be loaded from the hub{offline}: "
                               f"{first_line(e)}") from None
     if cfg.text_column not in splits["train"].column_names:
@@ -97,10 +97,8 @@ def load_text(cfg):
 
 
 def _data_files(path: str) -> list[str]:
-    if os.path.isfile(path):
-        files = [path]
-    else:
-        files = sorted(str(p) for p in Path(path).rglob("*") if p.suffix in DATA_FILE_SUFFIXES)
+    files = [path] if os.path.isfile(path) else sorted(str(p) for p in Path(path).rglob("*")
+                                                         if p.suffix in DATA_FILE_SUFFIXES)
     suffixes = {_BUILDERS.get(Path(f).suffix) for f in files}
     if not files or None in suffixes or len(suffixes) > 1:
         raise ConfigError(f"dataset '{path}' must be one or more files of a single type among "
@@ -115,10 +113,6 @@ def _train_eval_split(splits, eval_fraction: float):
     # a fixed split seed: changing `seed` must not move documents between train and eval
     held_out = splits["train"].train_test_split(test_size=eval_fraction, seed=0, shuffle=True)
     return held_out["train"], held_out["test"]
-
-
-def _offline() -> bool:
-    return any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def write_python_stdlib_corpus(folder: Path = DATA_DIR / "python_stdlib") -> Path:
@@ -141,13 +135,10 @@ def write_python_stdlib_corpus(folder: Path = DATA_DIR / "python_stdlib") -> Pat
 
 
 class EpochSampler(Sampler[int]):
-    """Each epoch a fresh permutation of the dataset, seeded by (seed + epoch), cut to whole global batches.
-
-    The order is a function of (seed, epoch, global batch) alone: the world size, the per-process batch and
-    gradient accumulation only decide who computes which sample, never which step it is in. So both
-    plumbings, and a resume on another world size with the same global batch, train on the same samples in
-    the same steps.
-    """
+    """Each epoch a fresh permutation of the dataset, seeded by (seed + epoch), cut to whole global batches: a
+    function of (seed, epoch, global batch) alone. World size, per-process batch and accumulation only decide
+    who computes a sample, never in which step, so both plumbings, and a resume on another world size with
+    the same global batch, train on the same samples in the same steps."""
 
     def __init__(self, num_samples: int, seed: int, samples_per_step: int):
         self.dataset_size, self.seed, self.epoch, self._start = num_samples, seed, 0, 0
@@ -171,13 +162,10 @@ class EpochSampler(Sampler[int]):
 
 
 class TrainBatches:
-    """The endless stream of this process's training micro-batches, epoch after epoch, and a checkpoint part.
-
-    Its position is one number, `micro_batches`: global micro-batches consumed (each of
-    `samples_per_micro_batch` samples, all processes together). It is saved with that size, so a resume
-    whose micro-batch differs (another world size, or accumulation, for the same global batch) converts it
-    and continues with the very next sample of the uninterrupted run.
-    """
+    """The endless stream of this process's training micro-batches (next(batches)), and a checkpoint part whose
+    state is one number, `micro_batches`: global micro-batches consumed (of `samples_per_micro_batch` samples,
+    all processes together). Saved with that size, so a resume whose micro-batch differs (another world size or
+    accumulation, the same global batch) converts it and continues with the uninterrupted run's next sample."""
 
     def __init__(self, loader, sampler: EpochSampler, samples_per_micro_batch: int):
         self.loader, self.sampler, self.samples_per_micro_batch = loader, sampler, samples_per_micro_batch
@@ -188,9 +176,6 @@ class TrainBatches:
     def epoch(self) -> float:
         """Epochs done, fractional (1.5: half-way through the second)."""
         return self.micro_batches * self.samples_per_micro_batch / len(self.sampler)
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> dict:
         if self._stream is None:

@@ -1,13 +1,9 @@
-"""The job around the loop: its run folder (a fresh runs/run_NNN unless --output_dir names one) with one
-owner at a time, decisions every process takes together, the signals that stop it, and how it ends:
-
-    0 finished   2 a refused input (config, run folder in use, checkpoint that does not fit)
-    75 preempted, with a checkpoint (requeue me)   130 stopped by Ctrl-C   1 any other failure
-
-with at most one `error: ...` line per job, and no process left waiting on one that failed.
-
-The lock is flock on <output_dir>/.lock, held by the process(es) that write the run's files from before
-they write until they exit; the kernel frees a dead holder's lock. Which filesystems honour flock: README.
+"""The job around the loop: its run folder (a fresh runs/run_NNN unless --output_dir names one), locked by one
+job at a time (flock on <output_dir>/.lock, freed by the kernel when the holder dies; which filesystems honour
+it: README), decisions every process takes together, the signals that stop it, and how it ends: 0 finished,
+2 a refused input (config, run folder in use, checkpoint that does not fit), 75 preempted with a checkpoint
+(requeue me), 130 stopped by Ctrl-C, 1 any other failure; at most one `error: ...` line per job, and no
+process left waiting on one that failed.
 """
 
 from __future__ import annotations
@@ -36,11 +32,8 @@ _held_locks = []  # open until the process exits: closing the file would release
 
 
 def collectively(plumbing, action: str, fn, error_type=RunError, on_failure=None):
-    """Run fn on every process; if it raised on any of them, every process raises error_type.
-
-    A barrier cannot tell success from failure, and a process that raises alone leaves the others
-    waiting in their next collective until a timeout: so the processes count the failures first.
-    """
+    """Run fn on every process; if it raised on any of them, every process raises error_type. (A process that
+    raised alone would leave the others waiting in their next collective until a timeout.)"""
     error, result = None, None
     try:
         result = fn()
@@ -73,10 +66,9 @@ def claim_run_folder(cfg, plumbing) -> None:
 
 def init_process_group(timeout_s: int) -> None:
     """torch.distributed's env:// start (NCCL on GPUs, gloo on CPUs), with the store's keys under a prefix per
-    elastic restart. Under `torchrun --max-restarts` / `accelerate launch --max_restarts` every attempt's
-    workers share one store, and a restarted worker could read the dead attempt's peer addresses: gloo then
-    fails with connectFullMesh "Connection refused" (seen here under load, on both paths). Accelerate adopts
-    a process group that already exists."""
+    elastic restart: under --max_restarts every attempt shares one store, and a restarted worker could read the
+    dead attempt's peer addresses (gloo connectFullMesh "Connection refused", seen here under load). Accelerate
+    adopts a process group that already exists."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before NCCL: one GPU per process
@@ -127,8 +119,7 @@ def lock_run_folder(output_dir: str) -> None:
         lock.close()
         raise ConfigError(f"output_dir '{output_dir}' is in use by another job ({holder}); wait for it to end, "
                           f"or choose another output_dir") from None
-    lock.seek(0)
-    lock.truncate()
+    lock.truncate(0)
     lock.write(f"host {os.uname().nodename}, pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
     _held_locks.append(lock)
@@ -142,9 +133,8 @@ class Preempted(BaseException):  # not an Exception: nothing may catch it on the
 
 
 class StopSignals:
-    """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal) and Ctrl-C ask for a checkpoint and a clean stop.
-    During start-up nothing has trained since the last checkpoint: stop at once (Preempted). In the loop the
-    handler only records it; the ranks vote at logging steps and all stop at the same step. A 2nd Ctrl-C: now."""
+    """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal), Ctrl-C: checkpoint and stop. During start-up, stop at
+    once (Preempted); in the loop the ranks vote at logging steps and all stop at the same step. 2nd Ctrl-C: now."""
 
     PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
     INTERRUPTED_EXIT_CODE = 130  # Ctrl-C: stopped with a checkpoint, but nobody asked for a requeue
@@ -193,8 +183,7 @@ def check_world_size(num_processes: int) -> None:
 
 
 def run_or_exit(train_fn, cfg, make_plumbing) -> None:
-    """Run a training job and turn every way it ends into an exit code and at most one line:
-    0 done, 2 a refused input, 75 preempted (130 after Ctrl-C), 1 any other failure."""
+    """Run a training job and turn every way it ends into an exit code (module docstring) and at most one line."""
     stop_signals.install()  # before anything slow starts: a signal during start-up is a clean stop too
     plumbing = None
     try:
@@ -232,27 +221,17 @@ def stopped_before_training(cfg, plumbing) -> int:
 
 
 def exit_with_error(error: Exception) -> None:
-    """Print `error: ...` and exit with the error's code, once per job rather than once per rank.
-
-    Usually every rank hits the same error, and the launcher kills the other ranks the moment one
-    exits. So rank 0 speaks at once and the others wait first: if rank 0 failed too they are killed
-    before they repeat it, and an error that is theirs alone (a file missing on one node) still shows.
-    """
+    """Print `error: ...` and exit with the error's code, once per job rather than once per rank: rank 0 speaks at
+    once and the others wait first. If rank 0 failed too, the launcher kills them before they repeat it; an error
+    that is theirs alone (a file missing on one node) still shows."""
     if os.environ.get("RANK", "0") != "0":
         if stop_signals.signal_name == "SIGTERM":  # the launcher is already stopping the job for another rank
             sys.exit(getattr(error, "exit_code", 1))
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's kill is not a preemption here
         time.sleep(OTHER_RANKS_ERROR_DELAY_S)
     print(f"error: {error}", file=sys.stderr)  # noqa: T201 - our messages, and OSError's, are one line
-    tell_the_launcher(f"error: {error}")
+    # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root Cause": our line
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        extra = {"py_callstack": f"error: {error}", "timestamp": str(int(time.time()))}
+        Path(path).write_text(json.dumps({"message": {"message": f"error: {error}", "extraInfo": extra}}))
     sys.exit(getattr(error, "exit_code", 1))
-
-
-def tell_the_launcher(message: str) -> None:
-    """torchrun and accelerate launch end a failed job with a summary whose "Root Cause" block shows the
-    worker's error file (torch elastic's TORCHELASTIC_ERROR_FILE): put our one line there, where it is seen."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": extra}}, f)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
@@ -70,10 +72,8 @@ def build_accelerator(cfg: TrainConfig):
 
 
 def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
-    """THE training loop; returns the process exit code (0, or StopSignals' code after a signal).
-
-    `accelerator` is an accelerate.Accelerator, or torch_ddp.TorchDDP: what is used of it is plumbing.Plumbing.
-    """
+    """THE training loop; returns the process exit code (0, or StopSignals' code after a signal). `accelerator`:
+    an accelerate.Accelerator, or torch_ddp.TorchDDP; what is used of it is plumbing.Plumbing."""
     # ---------------------------------------------------------------- setup
     seed_everything(cfg.seed)  # the same model init on every rank
     # ---------------------------------------------------------------- data
@@ -135,8 +135,6 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        state.samples_seen += global_batch
-        state.tokens_seen += global_batch * cfg.block_size
         throughput.step()
         is_last, stopping = state.step == cfg.max_steps, False
         saving = (cfg.save_every and state.step % cfg.save_every == 0) or is_last
@@ -144,7 +142,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
             # over micro-steps, then over ranks; checked before every save, so no broken weights are ever committed
             mean_loss, bad_grads = accelerator.reduce(torch.stack([step_loss, bad_grad_steps]), "mean").tolist()
             log.log(state.step, {"loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "epoch": batches.epoch,
-                                 "tokens_seen": state.tokens_seen, **throughput.report()})
+                                 "tokens_seen": state.step * global_batch * cfg.block_size, **throughput.report()})
             if not math.isfinite(mean_loss) or bad_grads:  # the same reduced values on every rank: all stop here
                 raise TrainingDiverged(state.step, mean_loss, latest_checkpoint(cfg.output_dir))
             stopping = stop_signals.requested(accelerator)  # collective: every rank stops at the same step
@@ -202,10 +200,6 @@ def check_loss_contract(model, eval_set, device) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device

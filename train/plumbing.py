@@ -21,43 +21,27 @@ class Plumbing(Protocol):
     is_local_main_process: bool  # local rank 0: the progress bar, per-node files
     mixed_precision: str  # "no" | "bf16" | "fp16", as resolved (the launcher's setting or the config's)
     sync_gradients: bool  # inside accumulate(): whether this micro-step ends an optimizer step
-    scaler: torch.amp.GradScaler | None  # fp16's loss scaler (a checkpoint part when present)
+    scaler: torch.amp.GradScaler | None  # fp16's loss scaler (then a checkpoint part)
     trackers: list  # the started trackers (tracking.py finishes them)
 
-    def prepare(self, *objects: Any) -> Any:
-        """Models: to the device and wrapped (DDP). DataLoaders: this rank's share of every global batch (whole
-        per-rank batches in rank order), on the device. Anything else: returned as is. One object in, one out."""
-
-    def accumulate(self, model: torch.nn.Module) -> AbstractContextManager:
-        """Around each micro-step: sets sync_gradients, and skips the gradient all-reduce until the last one."""
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss / grad_accum_steps, backward (scaled, under fp16)."""
-
-    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
-        """Clip the (unscaled) gradients; returns the total norm before clipping."""
-
-    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
-        """All-reduce ("sum" or "mean": always say which, Accelerate's default differs) across processes."""
-
-    def gather_for_metrics(self, data: Any) -> Any:
-        """Tensors (in tuples, lists, dicts) of every process, concatenated in rank order; in an eval loader's last
-        batch, without the samples the loader repeated to give every process a full batch. No other state."""
-
-    def main_process_first(self) -> AbstractContextManager:
-        """The body runs on the main process before all others (e.g. filling a cache)."""
-
-    def local_main_process_first(self) -> AbstractContextManager:
-        """The same, once per node."""
-
-    def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool) -> torch.nn.Module:
-        """The user's module inside whatever prepare() and torch.compile wrapped it in (keep_torch_compile=False)."""
-
-    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
-        """Start the configured trackers (main process only)."""
-
-    def log(self, values: dict, step: int | None = None) -> None:
-        """A row of metrics to every started tracker."""
-
-    def end_training(self) -> None:
-        """Finish the trackers and wait for every process."""
+    # Modules: to the device, wrapped (DDP). DataLoaders: on the device, this rank's share of every global batch
+    # (whole per-rank batches in rank order). Anything else as it is. One object in, one out; several, a tuple.
+    def prepare(self, *objects: Any) -> Any: ...
+    # around each micro-step: sets sync_gradients, and skips the gradient all-reduce until the last micro-step
+    def accumulate(self, model: torch.nn.Module) -> AbstractContextManager: ...
+    def backward(self, loss: torch.Tensor) -> None: ...  # of loss / grad_accum_steps (scaled, under fp16)
+    # clips the (unscaled) gradients; returns their total norm before clipping
+    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor: ...
+    # all-reduce, "sum" or "mean" (always say which: Accelerate's default differs); every process must call it
+    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor: ...
+    # tensors (in dicts, tuples, lists) of every process concatenated in rank order; in an eval loader's last
+    # batch, without the samples it repeated to give every process a full batch. No state across calls.
+    def gather_for_metrics(self, data: Any) -> Any: ...
+    def main_process_first(self) -> AbstractContextManager: ...  # e.g. to fill a cache the others then read
+    def local_main_process_first(self) -> AbstractContextManager: ...  # the same, once per node
+    # the user's module inside what prepare() and torch.compile wrapped it in (called with keep_torch_compile=False)
+    def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool) -> torch.nn.Module: ...
+    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None
+                      ) -> None: ...  # on the main process only
+    def log(self, values: dict, step: int | None = None) -> None: ...  # one row to every started tracker
+    def end_training(self) -> None: ...  # finishes the trackers, waits for every process

@@ -1,10 +1,7 @@
-"""Resume: choose the checkpoint (the newest intact one, or the one named), verify it, check it fits
-this run, and restore it; or start a new run, from scratch or from --init_from's weights.
-
-Everything is checked before anything is modified: the manifest's sizes and checksums, the batch
-geometry and the data identity (the data position is only exact if they match), every weight's
-name and shape. Every file is read with safetensors or torch.load(weights_only=True): a crafted
-pickle is a one-line CheckpointError naming the file, and its code never runs.
+"""Resume: choose the checkpoint (the newest intact one, or the one named), verify it, check it fits this run,
+and restore its parts; or start a new run, from scratch or from --init_from's weights. Every file is read with
+safetensors, json or torch.load(weights_only=True): a crafted pickle is a one-line CheckpointError naming the
+file, and its code never runs.
 """
 
 from __future__ import annotations
@@ -72,8 +69,7 @@ def checkpoint_to_resume(cfg, warn) -> Path | None:
         return None
     if cfg.resume == "latest":
         for folder in reversed(committed_checkpoints(cfg.output_dir)):
-            problem = checkpoint_problem(folder)
-            if problem is None:
+            if (problem := checkpoint_problem(folder)) is None:
                 return folder
             warn(f"skipping damaged checkpoint {folder}: {problem}; trying the one before")
         return None
@@ -88,29 +84,25 @@ def checkpoint_to_resume(cfg, warn) -> Path | None:
 def checkpoint_problem(folder: Path) -> str | None:
     """What is wrong with a checkpoint folder (no manifest, a missing, truncated or altered file), or None."""
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        files = manifest["files"]
+        files = json.loads((folder / "manifest.json").read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return "no readable manifest.json (not a checkpoint, or its save never finished)"
     for name, expected in files.items():
-        expected = expected if isinstance(expected, dict) else {"bytes": expected}  # manifests before checksums
         path = folder / name
         if not path.is_file() or path.stat().st_size != expected["bytes"]:
             return f"{name} is missing or not {expected['bytes']} bytes"
-        if "xxh3_64" in expected and file_digest(path) != expected["xxh3_64"]:
+        if file_digest(path) != expected["xxh3_64"]:
             return f"{name} does not match its checksum (the file was altered or corrupted)"
     return None
 
 
 def load_checkpoint(plumbing, cfg, folder: Path, parts: dict, identity: dict) -> str:
-    """Restore every part in place; returns a note for the log when the world size changed.
-
-    Everything is checked before anything is modified: the global batch and block size (the data position
-    is only exact if they match), the data identity, that every part is there, every weight's name and shape.
-    With another world size (the same global batch), the per-process parts (RNG) start afresh.
-    """
+    """Restore every part in place, after checking all that can be checked first: the manifest's global batch
+    and block size (the data position is exact only if they match), the data identity, that every part is
+    there, every weight's name and shape. With another world size, per-process parts (RNG) start afresh;
+    the returned note says so, for the log."""
     folder = Path(folder)
-    about = _read_json(folder / "manifest.json")
+    about = _read(folder / "manifest.json")
     saved, now = about.get("run", {}), run_geometry(plumbing, cfg)
     if any(saved.get(k) != now[k] for k in ("global_batch", "block_size")):
         raise CheckpointError(f"{folder} was saved with global batch {saved.get('global_batch')} (world size x "
@@ -150,13 +142,12 @@ def load_checkpoint(plumbing, cfg, folder: Path, parts: dict, identity: dict) ->
 def _read_part(folder: Path, name: str, part, plumbing):
     """A part's saved state (for a module: its weights file, checked against the module)."""
     if getattr(part, "per_process", False):
-        return _load_tensors(folder / f"{name}_rank{plumbing.process_index}.pt", "cpu")
+        return _read(folder / f"{name}_rank{plumbing.process_index}.pt")
     if isinstance(part, torch.nn.Module):
         _check_weights(folder / f"{name}.safetensors", plumbing.unwrap_model(part, keep_torch_compile=False))
         return folder / f"{name}.safetensors"
-    if (folder / f"{name}.json").is_file():
-        return _read_json(folder / f"{name}.json")
-    return _load_tensors(folder / f"{name}.pt", "cpu")  # load_state_dict moves it where it belongs
+    json_file = folder / f"{name}.json"
+    return _read(json_file if json_file.is_file() else folder / f"{name}.pt")  # loaded on the CPU
 
 
 def init_weights(plumbing, model, source: str) -> Path:
@@ -204,20 +195,14 @@ def _check_weights(path: Path, module: torch.nn.Module) -> None:
                               + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""))
 
 
-def _load_tensors(path: Path, map_location):
-    """torch.load restricted to tensors and plain containers: a pickle that would run code is refused."""
+def _read(path: Path):
+    """A .json file, or a tensor file through torch.load restricted to tensors and plain containers (a pickle that
+    would run code is refused); anything else is a one-line CheckpointError naming the file."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return json.loads(path.read_text()) if path.suffix == ".json" else torch.load(path, "cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path} refused: not a plain tensor file ({first_line(e)})") from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path.parent} is not a checkpoint: no {path.name}") from None
+        raise CheckpointError(f"{path.parent} has no {path.name}: not a checkpoint, or not of this run") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path} refused: not a plain tensor file ({first_line(e)})") from None

@@ -6,10 +6,9 @@
         train/torch_ddp.py ...                                                    # on each node
     python train/torch_ddp.py --spawn 2 ...          # mp.spawn, for people who launch from Python
 
-It runs `train()` from main.py (one loop, two plumbings) with the same config, data, model, optimizer,
-schedule, checkpoints and metrics.jsonl. Each global batch is split across ranks as Accelerate splits it,
-so with one config the two paths log bitwise-identical losses and end with identical weights
-(tests/e2e/test_torch_ddp.py).
+It runs `train()` from main.py (one loop, two plumbings) with the same config, data, model, optimizer, schedule,
+checkpoints and metrics.jsonl, and splits each global batch across ranks as Accelerate does: with one config the
+two paths log bitwise-identical losses and end with identical weights (tests/e2e/test_torch_ddp.py).
 """
 
 from __future__ import annotations
@@ -41,17 +40,13 @@ class TorchDDP:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.is_main_process, self.is_local_main_process = self.process_index == 0, local_rank == 0
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # before NCCL: each process on its own GPU
         self.distributed = self.num_processes > 1
         if self.distributed:
             init_process_group(cfg.dist_timeout_s)
             check_world_size(dist.get_world_size())
         self.mixed_precision = cfg.mixed_precision or "no"  # torchrun has no precision setting of its own
         self.scaler = None  # fp16, the one precision that needs a loss scaler, is refused on this path (main)
-        self.sync_gradients = True
-        self.trackers = []
-        self._micro_step = 0
+        self.sync_gradients, self.trackers, self._micro_step = True, [], 0
         self._real_samples = None  # while a loader yields an eval set's padded last batch: its real samples
 
     def prepare(self, *objects):
@@ -120,10 +115,7 @@ class TorchDDP:
             dist.barrier()
 
     def unwrap_model(self, model, keep_torch_compile: bool = False):
-        """The user's module inside torch.compile's wrapper, DDP and Autocast (train() compiles the prepared model).
-        Only keep_torch_compile=False, as train(), checkpoint.py and resume.py call it."""
-        if keep_torch_compile:
-            raise NotImplementedError("TorchDDP.unwrap_model always removes torch.compile's wrapper")
+        """The user's module inside torch.compile's wrapper (always removed), DDP and Autocast."""
         module = getattr(model, "_orig_mod", model)
         while isinstance(module, (DDP, Autocast)):
             module = module.module
@@ -137,10 +129,8 @@ class TorchDDP:
             return
         for name in self.cfg.trackers():
             tracker_class, kwargs = LOGGER_TYPE_TO_CLASS[name], (init_kwargs or {}).get(name, {})
-            if tracker_class.requires_logging_directory:
-                self.trackers.append(tracker_class(project_name, self.cfg.output_dir, **kwargs))
-            else:
-                self.trackers.append(tracker_class(project_name, **kwargs))
+            logging_dir = [self.cfg.output_dir] if tracker_class.requires_logging_directory else []
+            self.trackers.append(tracker_class(project_name, *logging_dir, **kwargs))
             self.trackers[-1].start()
             self.trackers[-1].store_init_configuration(config)
 
@@ -178,8 +168,7 @@ class Autocast(torch.nn.Module):
 
 
 class ShardedLoader:
-    """A DataLoader's batches as this rank's share of each global batch, on the device (Accelerate's
-    prepared loader). set_epoch reaches the sampler, as Accelerate's does."""
+    """A DataLoader's batches as this rank's share of each global batch, on the device (a prepared loader)."""
 
     def __init__(self, loader: DataLoader, plumbing: TorchDDP):
         self.plumbing, self.sampler = plumbing, loader.sampler
@@ -190,7 +179,7 @@ class ShardedLoader:
                                  generator=loader.generator)
 
     def set_epoch(self, epoch: int) -> None:
-        getattr(self.sampler, "set_epoch", lambda _: None)(epoch)
+        self.sampler.set_epoch(epoch)
 
     def __iter__(self):
         device, last = self.plumbing.device, len(self.loader) - 1
@@ -199,15 +188,11 @@ class ShardedLoader:
             yield map_tensors(lambda tensor: tensor.to(device, non_blocking=True), batch)
         self.plumbing._real_samples = None
 
-    def __len__(self) -> int:
-        return len(self.loader)
-
 
 class RankBatches(Sampler[list[int]]):
-    """This rank's batch of every global batch (batch_size x world), split as Accelerate's BatchSamplerShard
-    splits it: whole per-rank batches in rank order, so rank r holds samples [r * batch_size, (r+1) *
-    batch_size) of each global batch. With drop_last an incomplete global batch is dropped; without, it is
-    completed with the pass's first samples so that every rank gets a full batch (gather_for_metrics drops them)."""
+    """This rank's batch of every global batch, as Accelerate's BatchSamplerShard splits it: rank r holds samples
+    [r * batch_size, (r+1) * batch_size). An incomplete last global batch is dropped (drop_last) or completed
+    with the pass's first samples, so that every rank gets a full batch (gather_for_metrics drops them)."""
 
     def __init__(self, sampler, batch_size: int, world: int, rank: int, drop_last: bool):
         self.sampler, self.batch_size, self.rank, self.drop_last = sampler, batch_size, rank, drop_last
@@ -223,13 +208,11 @@ class RankBatches(Sampler[list[int]]):
             yield indices[start:start + self.batch_size]
 
     def __len__(self) -> int:
-        full, rest = divmod(len(self.sampler), self.span)
-        return full + (0 if self.drop_last or not rest else 1)
+        return len(self.sampler) // self.span + (self.real_samples_in_last is not None)
 
     @property
     def real_samples_in_last(self) -> int | None:
-        rest = len(self.sampler) % self.span
-        return rest if rest and not self.drop_last else None
+        return None if self.drop_last else len(self.sampler) % self.span or None
 
 
 # ---------------------------------------------------------------- entry points
@@ -243,21 +226,18 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.mixed_precision == "fp16":
         exit_with_error(ConfigError("mixed_precision fp16 needs a GradScaler, which torch_ddp.py leaves out: "
                                     "use bf16, or main.py"))
-    if processes:
-        port = _free_port()
-        mp.spawn(_spawned, args=(processes, argv, port), nprocs=processes, join=True)
-    else:
-        run(cfg)
-
-
-def run(cfg: TrainConfig) -> None:
-    run_or_exit(train, cfg, TorchDDP)  # which calls TorchDDP.close (destroy_process_group) on every way out
+    if not processes:
+        run_or_exit(train, cfg, TorchDDP)  # exits; TorchDDP.close (destroy_process_group) runs on every way out
+    with socket.socket() as s:  # a free port for the spawned processes' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(processes, argv, port), nprocs=processes, join=True)
 
 
 def _spawned(rank: int, world_size: int, argv: list[str], port: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run(load_config_or_exit(argv))
+    run_or_exit(train, load_config_or_exit(argv), TorchDDP)
 
 
 def _pop_spawn(argv: list[str]) -> int:
@@ -269,12 +249,6 @@ def _pop_spawn(argv: list[str]) -> int:
         exit_with_error(ConfigError(f"spawn must be a process count (got {value!r})"))
     del argv[i:i + 2]
     return int(value)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """What a run reports: metrics.jsonl, config.yaml, console lines, a progress bar, and trackers.
 
-`MetricsLogger` is a no-op off the main process, so the loop calls it on every rank without a
-single `if rank == 0`. The progress bar shows on each node's local main process. Trackers (W&B,
-TensorBoard) go through Accelerate's tracking API (`init_trackers`, `log`), which only the main
-process acts on; the same row goes to metrics.jsonl, so a run can be read without any tracker.
+`MetricsLogger` is a no-op off the main process, so the loop calls it on every rank without an `if rank == 0`;
+the progress bar shows on each node's local main process. Trackers (W&B, TensorBoard) go through the plumbing's
+tracking API (`init_trackers`, `log`); every row also goes to metrics.jsonl, readable without any tracker.
 """
 
 from __future__ import annotations
@@ -15,12 +14,14 @@ import math
 import os
 import secrets
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+import torch
 import yaml
 from tqdm.auto import tqdm
 
-from config import TrainConfig, first_line, to_dict
+from config import TrainConfig, first_line
 
 PREEMPTED_MARKER = "preempted.json"
 
@@ -30,9 +31,7 @@ class MetricsLogger:
         self.cfg, self.plumbing = cfg, plumbing
         self.enabled, self.show_progress = plumbing.is_main_process, plumbing.is_local_main_process
         self.output_dir = Path(cfg.output_dir)
-        self.metrics_file = None
-        self.bar = None
-        self.tracker_failed = False
+        self.metrics_file, self.bar, self.tracker_failed = None, None, False
 
     def start(self, step: int, run_info: dict) -> None:
         """Write config.yaml and run_info.json; keep metrics.jsonl rows up to `step` (a resume re-logs the rest)."""
@@ -43,12 +42,12 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(asdict(self.cfg), sort_keys=False))
         (self.output_dir / "run_info.json").write_text(json.dumps(run_info, indent=2) + "\n")
         (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run is the requeued one
         path = self.output_dir / "metrics.jsonl"
-        kept = [line for line in _read_lines(path) if _step_of(line) <= step]  # a resume re-logs the rest
-        path.write_text("".join(kept))
+        logged = path.read_text().splitlines(keepends=True) if path.exists() else []
+        path.write_text("".join(line for line in logged if _step_of(line) <= step))  # a resume re-logs the rest
         self.metrics_file = open(path, "a", buffering=1)  # line-buffered: readable while training runs
         atexit.register(self.close)  # trackers are finished on every way out, errors included (W&B hangs otherwise)
         for key, value in run_info.items():
@@ -56,8 +55,7 @@ class MetricsLogger:
 
     def start_trackers(self, run_id: str, resumed_step: int) -> None:
         """Start the configured trackers on the main process. W&B: a resumed run rewinds its W&B run to the
-        checkpoint's step (the steps a crashed run logged after it are logged again); a server without rewind
-        gets a plain resume, and one that cannot be reached, offline mode."""
+        checkpoint's step; a server without rewind gets a plain resume, one that cannot be reached offline mode."""
         names = self.cfg.trackers()
         if "wandb" in names and importlib.util.find_spec("wandb") is None:
             self.warn("tracker wandb: the wandb package is not installed (pip install wandb); not logging to W&B")
@@ -70,7 +68,7 @@ class MetricsLogger:
                     {**first, "mode": "offline"}]  # offline keeps the rewind: `wandb sync` applies it
         for number, wandb_kwargs in enumerate(attempts, 1):
             try:
-                self.plumbing.init_trackers(project, config=to_dict(self.cfg), init_kwargs={"wandb": wandb_kwargs})
+                self.plumbing.init_trackers(project, config=asdict(self.cfg), init_kwargs={"wandb": wandb_kwargs})
                 break
             except Exception as e:  # no API key, no network, server down, no rewind: training goes on
                 if "wandb" not in names:
@@ -172,13 +170,10 @@ def finish_trackers(plumbing) -> None:
 
 
 class Throughput:
-    """Tokens/s, samples/s, step time, and (on GPUs) MFU and peak memory, over the training time since
-    the last report (eval and checkpoint time excluded)."""
+    """Tokens/s, samples/s, step time, and (on GPUs) MFU and peak memory, since the last report or restart."""
 
     def __init__(self, samples_per_step: int, tokens_per_step: int, flops_per_token: float, num_processes: int,
                  mixed_precision: str):
-        import torch
-
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self.on_gpu = torch.cuda.is_available()
         peak = peak_flops_per_gpu(torch.cuda.get_device_name()) if self.on_gpu else None
@@ -187,7 +182,7 @@ class Throughput:
         self.flops_per_token = flops_per_token
         self.restart()
 
-    def restart(self) -> None:
+    def restart(self) -> None:  # after eval and checkpoints, which are not training time
         self.start, self.steps = time.perf_counter(), 0
 
     def step(self) -> None:
@@ -201,8 +196,6 @@ class Throughput:
         if self.peak_flops:
             rates["mfu"] = rates["tokens_per_s"] * self.flops_per_token / self.peak_flops
         if self.on_gpu:
-            import torch
-
             rates["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.restart()
         return rates
@@ -224,10 +217,6 @@ def flops_per_token(model) -> float:
     if hasattr(model, "flops_per_token"):
         return model.flops_per_token()
     return 6 * sum(p.numel() for p in model.parameters())
-
-
-def _read_lines(path: Path) -> list[str]:
-    return path.read_text().splitlines(keepends=True) if path.exists() else []
 
 
 def _step_of(line: str) -> float:
@@ -268,7 +257,6 @@ def environment_info() -> dict:
 
     import accelerate
     import datasets
-    import torch
 
     revision, dirty = git_state()
     cuda = torch.cuda.is_available()

@@ -39,7 +39,7 @@ def test_keep_last_and_layout_of_the_baseline(baseline):
     assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "train_state.json", "data.json",
             "config.yaml"} == set(manifest["files"])
     state = json.loads((root / "step_00000024" / "train_state.json").read_text())
-    assert (state["step"], manifest["run"]["world_size"], state["samples_seen"]) == (24, 2, 24 * 16)
+    assert (state["step"], manifest["run"]["world_size"], manifest["run"]["global_batch"]) == (24, 2, 16)
     position = json.loads((root / "step_00000024" / "data.json").read_text())
     assert position == {"micro_batches": 24 * 2, "samples_per_micro_batch": 8}  # 2 ranks x 4, 2 micro-steps a step
 
