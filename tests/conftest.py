@@ -172,10 +172,13 @@ def assert_matches_baseline(run_dir, baseline):
 
 
 @pytest.fixture(scope="session")
-def torch_baseline(tmp_path_factory, corpus) -> Run:
-    """The same reference run on the torch path (torchrun), for the tests that compare it with itself."""
-    out = tmp_path_factory.mktemp("torch_baseline") / "run"
-    return launch_torchrun(baseline_args(out, corpus), out.parent).check()
+def four_processes(tmp_path_factory, corpus) -> Run:
+    """One launcher, 4 processes, batch 4, no dropout, 8 steps (checkpoints at 4 and 8), each rank recording the
+    sample ids it loads: the reference of the two-"node" runs and of resuming on another world size."""
+    out = tmp_path_factory.mktemp("four") / "run"
+    args = tiny_args(out, corpus, max_steps=8, save_every=4, eval_every=8, dist_timeout_s=30)
+    return launch_accelerate(args, out.parent, num_processes=4, script=FAULTY_MAIN,
+                             env_extra={"RECORD_SAMPLES": out.parent / "ids"}).check()
 
 
 def baseline_args(output_dir: Path, corpus: Path, **overrides) -> list[str]:

@@ -98,10 +98,10 @@ def test_bad_value_through_the_launcher(tmp_path, corpus):
 def test_dataset_too_small_for_one_step(tmp_path):
     small = write_corpus(tmp_path / "small.jsonl", n_docs=20, doc_bytes=40)
     out = tmp_path / "run"
-    run = launch_accelerate(tiny_args(out, small, batch_size=16, grad_accum_steps=2), tmp_path)
+    run = run_python(tiny_args(out, small, batch_size=16, grad_accum_steps=4), tmp_path)
     assert run.returncode != 0
-    assert "training blocks is too few for one optimizer step at world size 2 x batch_size 16 x " \
-           "grad_accum_steps 2 = 64 blocks" in run.output, run.tail()
+    assert "training blocks is too few for one optimizer step at world size 1 x batch_size 16 x " \
+           "grad_accum_steps 4 = 64 blocks" in run.output, run.tail()
     assert not out.exists()
 
 

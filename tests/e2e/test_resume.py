@@ -123,8 +123,7 @@ def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path, corpus, ba
 def test_resume_into_a_different_model_is_a_one_line_error(tmp_path, corpus, baseline):
     """(A different world size or batch geometry is refused the same way: tests/test_checkpoint.py.)"""
     checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
-    wider = launch_accelerate([*baseline_args(tmp_path / "a", corpus, n_embd=96), "--resume", checkpoint],
-                              tmp_path)
+    wider = run_python([*baseline_args(tmp_path / "a", corpus, n_embd=96), "--resume", checkpoint], tmp_path)
     assert wider.returncode != 0
     errors = [line for line in wider.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "does not fit this model" in errors[0], wider.tail()
@@ -137,27 +136,24 @@ def samples_per_step(ids_dir, world, batch, accum, steps):
     return [sorted(i for rank in drawn for i in rank[k * accum * batch:(k + 1) * accum * batch]) for k in range(steps)]
 
 
-def test_a_resume_on_another_world_size_trains_on_the_same_samples(tmp_path, corpus):
-    """Saved by 2 processes x batch 8; resumed by 4 x 4 (Accelerate), and by 1 x 8 with 2 accumulation steps
+def test_a_resume_on_another_world_size_trains_on_the_same_samples(tmp_path, corpus, four_processes):
+    """Saved by 4 processes x batch 4; resumed by 2 x 8 (Accelerate), and by 1 x 8 with 2 accumulation steps
     (the torch path): every later step trains on exactly the uninterrupted run's samples, and the losses
     agree to float-summation tolerance (not bitwise: the gradient sums run over other groupings)."""
-    common = dict(max_steps=12, save_every=6, keep_last=5, eval_every=12)
-    reference = launch_accelerate(tiny_args(tmp_path / "ref", corpus, batch_size=8, **common), tmp_path,
-                                  script=FAULTY_MAIN, env_extra={"RECORD_SAMPLES": tmp_path / "ref_ids"}).check()
-    expected = samples_per_step(tmp_path / "ref_ids", 2, 8, 1, 12)[6:]
-    checkpoint = tmp_path / "ref" / "checkpoints" / "step_00000006"
-    four = launch_accelerate([*tiny_args(tmp_path / "four", corpus, batch_size=4, **common), "--resume", checkpoint],
-                             tmp_path, num_processes=4, script=FAULTY_MAIN,
-                             env_extra={"RECORD_SAMPLES": tmp_path / "four_ids"}).check()
+    common = dict(max_steps=8, save_every=4, eval_every=8)
+    expected = samples_per_step(four_processes.output_dir.parent / "ids", 4, 4, 1, 8)[4:]
+    checkpoint = four_processes.output_dir / "checkpoints" / "step_00000004"
+    two = launch_accelerate([*tiny_args(tmp_path / "two", corpus, batch_size=8, **common), "--resume", checkpoint],
+                            tmp_path, script=FAULTY_MAIN, env_extra={"RECORD_SAMPLES": tmp_path / "two_ids"}).check()
     one = run_python([*tiny_args(tmp_path / "one", corpus, batch_size=8, grad_accum_steps=2, **common), "--resume",
                       checkpoint], tmp_path, script=FAULTY_MAIN,
                      env_extra={"RECORD_SAMPLES": tmp_path / "one_ids", "FAULTY_ENTRY": "torch_ddp"}).check()
-    assert "world_size 2 -> 4, batch_size 8 -> 4: the same global batch" in four.output
-    assert "world_size 2 -> 1, grad_accum_steps 1 -> 2" in one.output
-    assert samples_per_step(tmp_path / "four_ids", 4, 4, 1, 6) == expected
-    assert samples_per_step(tmp_path / "one_ids", 1, 8, 2, 6) == expected
-    for run in (four, one):
+    assert "world_size 4 -> 2, batch_size 4 -> 8: the same global batch" in two.output
+    assert "world_size 4 -> 1, batch_size 4 -> 8, grad_accum_steps 1 -> 2" in one.output
+    assert samples_per_step(tmp_path / "two_ids", 2, 8, 1, 4) == expected
+    assert samples_per_step(tmp_path / "one_ids", 1, 8, 2, 4) == expected
+    for run in (two, one):
         losses = run.losses()
-        assert sorted(losses) == list(range(7, 13))
+        assert sorted(losses) == list(range(5, 9))
         for step, loss in losses.items():
-            assert loss == pytest.approx(reference.losses()[step], rel=1e-5), (step, run.output_dir)
+            assert loss == pytest.approx(four_processes.losses()[step], rel=1e-5), (step, run.output_dir)

@@ -80,13 +80,6 @@ def run_two_nodes(make_cmd, args, tmp_path):
     return outputs
 
 
-@pytest.fixture(scope="module")
-def four_processes(tmp_path_factory, corpus):
-    """The reference: one launcher, 4 processes, the same global batch."""
-    out = tmp_path_factory.mktemp("four") / "run"
-    return launch_accelerate(two_node_args(out, corpus), out.parent, num_processes=4).check()
-
-
 def assert_same_run(output_dir, reference, resumed=False):
     """Bitwise: the same 4 ranks, the same split of every global batch, the same reductions. After a resume on
     more than 2 processes, to the last bits only: DDP all-reduces the first step of every start in one bucket
