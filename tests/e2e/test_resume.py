@@ -123,7 +123,8 @@ def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path, corpus, ba
 def test_resume_into_a_different_model_is_a_one_line_error(tmp_path, corpus, baseline):
     """(A different world size or batch geometry is refused the same way: tests/test_checkpoint.py.)"""
     checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
-    wider = run_python([*baseline_args(tmp_path / "a", corpus, n_embd=96), "--resume", checkpoint], tmp_path)
+    wider = run_python([*baseline_args(tmp_path / "a", corpus, n_embd=96, batch_size=8), "--resume", checkpoint],
+                       tmp_path)  # one process, the baseline's global batch
     assert wider.returncode != 0
     errors = [line for line in wider.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "does not fit this model" in errors[0], wider.tail()
