@@ -33,16 +33,11 @@ def test_torchrun_and_accelerate_are_bitwise_identical(tmp_path, corpus):
     assert (tmp_path / "ddp" / "checkpoints" / "step_00000100" / "manifest.json").exists()
 
 
-def test_one_plain_process_and_mp_spawn(tmp_path, corpus):
-    one = run_python(tiny_args(tmp_path / "one", corpus, batch_size=8, max_steps=6, save_every=0, eval_every=6),
-                     tmp_path, script=TORCH_DDP).check()
-    spawned = run_python(["--spawn", 2, *tiny_args(tmp_path / "spawn", corpus, batch_size=4, max_steps=6,
-                                                   save_every=0, eval_every=6)],
-                         tmp_path, script=TORCH_DDP).check()
-    a, b = one.losses(), spawned.losses()
-    assert sorted(a) == sorted(b) == list(range(1, 7))
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-5)
+def test_mp_spawn_from_python_is_the_same_run(tmp_path, corpus, baseline):
+    """`python train/torch_ddp.py --spawn 2` (no launcher): bitwise the baseline's run. (One plain process on the
+    torch path: test_resume.py's world-size test.)"""
+    spawned = run_python(["--spawn", 2, *baseline_args(tmp_path / "spawn", corpus)], tmp_path, script=TORCH_DDP)
+    assert spawned.check().losses() == baseline.losses()
 
 
 def test_an_accelerate_checkpoint_resumes_on_the_torch_path_exactly(tmp_path, corpus, baseline):
