@@ -347,3 +347,13 @@ def test_a_resume_keeps_the_lr_horizon_unless_lr_decay_steps_is_given(tmp_path):
     job.cfg.max_steps = 10
     with pytest.raises(CheckpointError, match="is at step 20, past max_steps 10: pass --max_steps 20 or more"):
         job.resume()
+
+
+def test_a_checkpoint_from_before_state_parts_points_to_init_from(tmp_path):
+    job = Job(tmp_path)
+    path = job.save(3)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["parts"], manifest["run"]  # what the template wrote before checkpoints had parts
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"written before checkpoints had state parts: .*--init_from {path}"):
+        job.load(path)

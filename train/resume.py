@@ -103,24 +103,25 @@ def load_checkpoint(plumbing, cfg, folder: Path, parts: dict, identity: dict) ->
     the returned note says so, for the log."""
     folder = Path(folder)
     about = _read(folder / "manifest.json")
-    saved, now = about.get("run", {}), run_geometry(plumbing, cfg)
-    if any(saved.get(k) != now[k] for k in ("global_batch", "block_size")):
-        raise CheckpointError(f"{folder} was saved with global batch {saved.get('global_batch')} (world size x "
-                              f"batch_size x grad_accum_steps) and block_size {saved.get('block_size')}, this run "
+    if "parts" not in about:
+        raise CheckpointError(f"{folder} was written before checkpoints had state parts: start a new run from its "
+                              f"weights with --init_from {folder}")
+    saved, now = about["run"], run_geometry(plumbing, cfg)
+    if any(saved[k] != now[k] for k in ("global_batch", "block_size")):
+        raise CheckpointError(f"{folder} was saved with global batch {saved['global_batch']} (world size x "
+                              f"batch_size x grad_accum_steps) and block_size {saved['block_size']}, this run "
                               f"has {now['global_batch']} and {now['block_size']}: an exact resume needs both "
                               f"unchanged (world size, batch_size and grad_accum_steps may change, not their product)")
     if about["step"] > cfg.max_steps:
         raise CheckpointError(f"{folder} is at step {about['step']}, past max_steps {cfg.max_steps}: pass "
                               f"--max_steps {about['step']} or more to resume it")
-    changed = [f"{k} {saved[k]!r} -> {v!r}" for k, v in identity.items() if k in saved and saved[k] != v]
-    if changed:
+    if changed := [f"{k} {saved[k]!r} -> {v!r}" for k, v in identity.items() if k in saved and saved[k] != v]:
         raise CheckpointError(f"{folder} was saved for other data ({', '.join(changed)}): resuming would continue "
                               f"a different data order; to change them on purpose, start a new run with "
                               f"--init_from {folder}")
-    missing = [name for name in parts if name not in about.get("parts", ())]
-    if missing:
-        raise CheckpointError(f"{folder} has no part {', '.join(missing)} (it holds "
-                              f"{', '.join(about.get('parts', ())) or 'none'}): start a new run with --init_from")
+    if missing := [name for name in parts if name not in about["parts"]]:
+        raise CheckpointError(f"{folder} has no part {', '.join(missing)} (it holds {', '.join(about['parts'])}): "
+                              f"start a new run with --init_from")
     same_world = saved["world_size"] == plumbing.num_processes
     states = {name: _read_part(folder, name, part, plumbing) for name, part in parts.items()
               if same_world or not getattr(part, "per_process", False)}
