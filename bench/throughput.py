@@ -1,28 +1,38 @@
-"""Per-step time of one model and batch three ways, in one run, interleaved so machine noise cancels:
+"""Per-step time of one model and batch three ways, interleaved in ONE process so machine noise cancels:
 
-    bare        a plain single-process torch loop (forward, backward, clip, AdamW step), no template
+    bare        the fastest single-process loop we write by hand: the packed train set as one tensor in
+                memory, batches gathered by index (no DataLoader, no collate), forward, backward, clip, LR,
+                AdamW step, a host sync at logging steps only (as nanoGPT's train.py feeds its batches)
     accelerate  train/main.py's train() with an Accelerator (1 process)
     torch       the same train() with torch_ddp.TorchDDP (1 process)
 
-    python bench/throughput.py                                   # tiny preset, 3 repeats (CPU: ~2 min)
-    python bench/throughput.py --repeats 5 --steps 80 --config train/configs/tiny.yaml --batch_size 32
-    python bench/throughput.py --quick                           # seconds: what the test suite runs
+Each variant runs in its own thread. A baton lets one thread at a time run a block of `--block` optimizer
+steps, in an order that rotates every round, so each round times the three back to back. The first
+`--warmup` rounds (allocator, caches, compilation) are not counted. Reported: per variant the median time
+per step, tokens/s and the share of step time spent waiting for the next batch; and the ratios
+accelerate/bare and torch/accelerate as the MEDIAN OF PER-ROUND RATIOS with their spread (lowest and
+highest round). Two back-to-back runs agreeing within 2% is what `--repeat 2` shows.
 
-Any further flags are TrainConfig flags, shared by all three. It prints, per variant, the median step
-time, tokens/s and the share of step time spent waiting for the data loader, then the ratios
-accelerate/bare and torch/accelerate; `--out FILE` also writes them as JSON. Step times are the
-`step_time_s` windows of metrics.jsonl (log_every steps each) after the first window, which holds
-start-up, allocator warm-up and compilation. The loader wait is the time spent in `next()` on the
-training stream (data.TrainBatches), measured by wrapping it from outside, as the tests inject faults.
+    python bench/throughput.py                              # tiny preset, 12 rounds of 10 steps (CPU: ~1 min)
+    python bench/throughput.py --rounds 20 --block 10 --n_layer 4 --n_embd 128 --block_size 64 --batch_size 12
+    python bench/throughput.py --fixed_cost                 # 1 layer, width 32: per-step overhead in microseconds
+    python bench/throughput.py --repeat 2                   # the same measurement twice, back to back
+    python bench/throughput.py --quick                      # seconds: the test suite's smoke run
+
+Any further flags are TrainConfig flags, shared by all three variants; `--out FILE` also writes the
+figures as JSON. The loader wait is the time spent in `next()` on the training stream (data.TrainBatches,
+wrapped from outside, as the tests inject faults), and in the bare loop's own batch gathering.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,157 +40,241 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "train"))
 
 VARIANTS = ("bare", "accelerate", "torch")
+FIXED_COST_MODEL = ["--n_layer", "1", "--n_head", "1", "--n_embd", "32", "--block_size", "16", "--batch_size", "1"]
 
 
 def main(argv: list[str]) -> None:
     opts, train_args = parse(argv)
-    if opts["variant"]:
-        result = measure(opts["variant"], train_args, Path(opts["workdir"]))
-        Path(opts["out"]).write_text(json.dumps(result))
-        return
-    runs = {v: [] for v in VARIANTS}
-    with tempfile.TemporaryDirectory() as workdir:
-        for repeat in range(opts["repeats"]):
-            order = VARIANTS[repeat % 3:] + VARIANTS[:repeat % 3]  # rotate who goes first
-            for variant in order:
-                out = Path(workdir) / f"{variant}-{repeat}.json"
-                cmd = [sys.executable, __file__, "--variant", variant, "--workdir", f"{workdir}/{variant}-{repeat}",
-                       "--out", str(out), *train_args]
-                subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-                runs[variant].append(json.loads(out.read_text()))
-    summary = summarize(runs)
-    print(report(summary, opts["repeats"]))
+    results = []
+    for _ in range(opts["repeat"]):
+        results.append(measure(train_args, opts["rounds"], opts["block"], opts["warmup"]))
+        print(report(results[-1]))
+        print()
+    if opts["repeat"] > 1:
+        first, second = (r["accelerate_over_bare"]["median"] for r in results[:2])
+        print(f"back to back: accelerate / bare {first:.3f} then {second:.3f} "
+              f"({100 * abs(second - first) / first:.1f}% apart)")
     if opts["out"]:
-        Path(opts["out"]).write_text(json.dumps(summary, indent=2) + "\n")
+        Path(opts["out"]).write_text(json.dumps(results if len(results) > 1 else results[0], indent=2) + "\n")
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"variant": "", "workdir": "", "out": "", "repeats": 3}
-    steps, rest, i = 60, [], 0
+    opts = {"out": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1}
+    rest, i = [], 0
     while i < len(argv):
         key = argv[i].removeprefix("--")
         if key == "quick":
-            opts["repeats"], steps, i = 1, 20, i + 1
-            continue
-        if key in ("variant", "workdir", "out", "repeats", "steps"):
-            value = argv[i + 1]
-            if key == "steps":
-                steps = int(value)
-            else:
-                opts[key] = int(value) if key == "repeats" else value
+            opts.update(rounds=3, block=3, warmup=1)
+        elif key == "fixed_cost":
+            rest += FIXED_COST_MODEL
+        elif key in opts:
+            opts[key] = argv[i + 1] if key == "out" else int(argv[i + 1])
+            i += 1
         else:
             rest += argv[i:i + 2]
-        i += 2
-    defaults = ["--config", str(REPO / "train/configs/tiny.yaml"), "--max_steps", str(steps), "--log_every", "5",
-                "--warmup_steps", "2", "--eval_every", str(10 * steps), "--save_every", "0"]
+            i += 1
+        i += 1
+    steps = 1 + opts["rounds"] * opts["block"]  # the first step of each variant runs before the baton
+    defaults = ["--config", str(REPO / "train/configs/tiny.yaml"), "--max_steps", str(steps),
+                "--log_every", str(opts["block"]), "--warmup_steps", "2", "--eval_every", str(10 * steps),
+                "--save_every", "0"]
     return opts, defaults + rest
 
 
-def measure(variant: str, train_args: list[str], workdir: Path) -> dict:
-    """Run one variant in this process; return its steady-state step time and loader wait."""
+class Baton:
+    """One variant at a time runs `block` optimizer steps, then hands over; the order rotates every round."""
+
+    def __init__(self, names: tuple[str, ...], block: int, rounds: int):
+        self.names, self.block, self.rounds = names, block, rounds
+        self.cond = threading.Condition()
+        self.ready: set[str] = set()
+        self.queue: list[str] = []
+        self.holder, self.count, self.started, self.round = None, 0, 0.0, 0
+        self.seconds = {name: [] for name in names}  # per block
+        self.waits = {name: [] for name in names}  # loader wait per block
+        self.wait = 0.0
+        self.errors: list[BaseException] = []
+
+    def step(self, name: str) -> None:
+        """Called by `name`'s thread after each of its optimizer steps."""
+        with self.cond:
+            if self.holder == name:
+                self.count += 1
+                if self.count < self.block:
+                    return
+                _sync()
+                self.seconds[name].append(time.perf_counter() - self.started)
+                self.waits[name].append(self.wait)
+                if len(self.seconds[name]) == self.rounds:
+                    return  # its last block: it keeps the baton until its train() has returned (finish)
+                self._hand_over()
+            else:
+                self.ready.add(name)  # its first step: set-up is over; start once every variant is here
+                if len(self.ready) == len(self.names):
+                    self._hand_over()
+            self.cond.wait_for(lambda: self.holder == name or self.errors)
+            if self.errors:
+                raise RuntimeError("stopped: another variant failed")
+            self.count, self.wait, self.started = 0, 0.0, time.perf_counter()
+
+    def loader_wait(self, name: str, seconds: float) -> None:
+        if self.holder == name:
+            self.wait += seconds
+
+    def finish(self, name: str, error: BaseException | None = None) -> None:
+        with self.cond:
+            if error is not None:
+                self.errors.append(error)
+                self.cond.notify_all()
+            elif self.holder == name:
+                self._hand_over()
+
+    def _hand_over(self) -> None:
+        """To the next variant in this round's order that has blocks left (rounds rotate who goes first)."""
+        self.holder = None
+        while any(len(self.seconds[n]) < self.rounds for n in self.names):
+            if not self.queue:
+                shift = self.round % len(self.names)
+                self.queue, self.round = list(self.names[shift:] + self.names[:shift]), self.round + 1
+            candidate = self.queue.pop(0)
+            if len(self.seconds[candidate]) < self.rounds:
+                self.holder = candidate
+                break
+        self.cond.notify_all()
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def measure(train_args: list[str], rounds: int, block: int, warmup: int) -> dict:
+    """Run the three variants interleaved in this process; return per-variant figures and per-round ratios."""
     import data
     import main as accelerate_main
     import torch_ddp
     from config import load_config
 
-    args = [*train_args, "--output_dir", str(workdir)]
-    cfg = load_config(args)
-    waits = []
+    baton = Baton(VARIANTS, block, rounds)
+    local = threading.local()
+    next_batch = data.TrainBatches.__next__
 
-    def timed(next_batch):
-        def timed_next(*args):
-            start = time.perf_counter()
-            batch = next_batch(*args)
-            waits.append(time.perf_counter() - start)
-            return batch
-        return timed_next
+    def timed_next(self):
+        start = time.perf_counter()
+        batch = next_batch(self)
+        baton.loader_wait(local.name, time.perf_counter() - start)
+        return batch
 
-    if variant == "bare":
-        windows = bare_loop(cfg, timed)
-    else:
-        data.TrainBatches.__next__ = timed(data.TrainBatches.__next__)
-        entry = accelerate_main.main if variant == "accelerate" else torch_ddp.main
+    def run(name: str, workdir: Path) -> None:
+        local.name = name
+        error = None
         try:
-            entry(args)
-        except SystemExit as e:
-            if e.code:
-                raise
-        rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-        windows = [r["step_time_s"] for r in rows if "step_time_s" in r]
-    steady = windows[1:] or windows
-    step_time = statistics.mean(steady)
-    warm_micro_batches = (len(windows) - len(steady)) * cfg.log_every * cfg.grad_accum_steps
-    steady_wait = sum(waits[warm_micro_batches:]) / max(1, len(steady) * cfg.log_every)
+            cfg = load_config([*train_args, "--output_dir", str(workdir / name)])
+            if name == "bare":
+                bare_loop(cfg, baton)
+            else:
+                plumbing = accelerate_main.build_accelerator(cfg) if name == "accelerate" else torch_ddp.TorchDDP(cfg)
+                accelerate_main.train(cfg, plumbing)
+        except BaseException as e:  # noqa: BLE001 - reported after the other threads are released
+            error = e
+        baton.finish(name, error)
+
+    original_step = accelerate_main.Throughput.step
+
+    def step(self):
+        original_step(self)
+        baton.step(local.name)
+
+    with tempfile.TemporaryDirectory() as workdir:
+        data.TrainBatches.__next__ = timed_next
+        accelerate_main.Throughput.step = step
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # train()'s log lines
+                threads = [threading.Thread(target=run, args=(name, Path(workdir)), name=name) for name in VARIANTS]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+        finally:
+            data.TrainBatches.__next__, accelerate_main.Throughput.step = next_batch, original_step
+    if baton.errors:
+        raise baton.errors[0]
+    cfg = load_config(train_args)
     tokens = cfg.batch_size * cfg.grad_accum_steps * cfg.block_size
-    return {"step_time_s": step_time, "tokens_per_s": tokens / step_time, "loader_wait_frac": steady_wait / step_time}
+    return summarize(baton, warmup, block, tokens, train_args)
 
 
-def bare_loop(cfg, timed) -> list[float]:
-    """The reference: what a hand-written single-process loop does per step, nothing more."""
+def bare_loop(cfg, baton: Baton) -> None:
+    """The reference: what the fastest hand-written single-process loop does per step, nothing more."""
     import torch
-    from torch.utils.data import DataLoader
 
-    from data import EpochSampler, build_datasets, collate
+    from data import build_datasets
     from model import build_model
-    from optim import build_optimizer
+    from optim import build_optimizer, lr_at, set_lr
 
-    torch.manual_seed(cfg.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train_set, _ = build_datasets(cfg)
-    sampler = EpochSampler(len(train_set), cfg.seed, cfg.batch_size * cfg.grad_accum_steps)
-    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
-                        num_workers=cfg.num_workers, pin_memory=device.type == "cuda")
+    blocks = train_set[:]["input_ids"]  # the whole packed train set as one (N, block_size) int64 tensor
+    torch.manual_seed(cfg.seed)
     model = build_model(cfg).to(device)
     model = torch.compile(model) if cfg.compile else model
     optimizer = build_optimizer(model, cfg)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
-
-    def endless():
-        for epoch in range(10**9):
-            sampler.set_epoch(epoch)
-            yield from loader
-
-    batches = endless()
-    next_batch = timed(lambda: next(batches))
-    windows, start = [], time.perf_counter()
-    for step in range(1, cfg.max_steps + 1):
+    generator = torch.Generator().manual_seed(cfg.seed)
+    order, position = torch.randperm(len(blocks), generator=generator), 0
+    for step in range(cfg.max_steps):
         for _ in range(cfg.grad_accum_steps):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next_batch().items()}
+            start = time.perf_counter()
+            if position + cfg.batch_size > len(order):
+                order, position = torch.randperm(len(blocks), generator=generator), 0
+            x = blocks[order[position:position + cfg.batch_size]].to(device, non_blocking=True)
+            position += cfg.batch_size
+            baton.loader_wait("bare", time.perf_counter() - start)
             with autocast:
-                loss = model(**batch).loss
+                loss = model(input_ids=x, labels=x).loss
             (loss / cfg.grad_accum_steps).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        set_lr(optimizer, lr_at(step, cfg))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % cfg.log_every == 0:
-            loss.item()  # a logging loop syncs here; time is read after it
-            now = time.perf_counter()
-            windows.append((now - start) / cfg.log_every)
-            start = now
-    return windows
+        if (step + 1) % cfg.log_every == 0:
+            loss.item()  # a logging loop waits for the device here, and only here
+        baton.step("bare")
 
 
-def summarize(runs: dict) -> dict:
-    summary = {}
-    for variant, results in runs.items():
-        summary[variant] = {key: statistics.median(r[key] for r in results) for key in results[0]}
-    summary["accelerate_over_bare"] = summary["accelerate"]["step_time_s"] / summary["bare"]["step_time_s"]
-    summary["torch_over_accelerate"] = summary["torch"]["step_time_s"] / summary["accelerate"]["step_time_s"]
+def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train_args: list[str]) -> dict:
+    counted = {name: baton.seconds[name][warmup:] for name in VARIANTS}
+    rounds = min(len(s) for s in counted.values())
+    summary = {"rounds": rounds, "block_steps": block, "train_args": train_args}
+    for name in VARIANTS:
+        step_times = [s / block for s in counted[name]]
+        waits = [w / s for w, s in zip(baton.waits[name][warmup:], counted[name], strict=True)]
+        step = statistics.median(step_times)
+        summary[name] = {"step_time_s": step, "step_time_us": 1e6 * step, "tokens_per_s": tokens_per_step / step,
+                         "loader_wait_frac": statistics.median(waits)}
+    for key, top, bottom in (("accelerate_over_bare", "accelerate", "bare"),
+                             ("torch_over_accelerate", "torch", "accelerate")):
+        ratios = [a / b for a, b in zip(counted[top][:rounds], counted[bottom][:rounds], strict=True)]
+        summary[key] = {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios)}
     return summary
 
 
-def report(summary: dict, repeats: int) -> str:
+def report(summary: dict) -> str:
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    lines = [f"device: {device}; median of {repeats} interleaved repeats", "",
-             f"{'variant':<11} {'step ms':>9} {'tokens/s':>12} {'loader wait':>12}"]
-    for variant in VARIANTS:
-        r = summary[variant]
-        lines.append(f"{variant:<11} {1e3 * r['step_time_s']:>9.2f} {r['tokens_per_s']:>12,.0f} "
-                     f"{100 * r['loader_wait_frac']:>11.2f}%")
-    lines += ["", f"accelerate / bare:   {summary['accelerate_over_bare']:.3f}  (target <= 1.03)",
-              f"torch / accelerate:  {summary['torch_over_accelerate']:.3f}  (target 0.97 .. 1.03)"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
+    lines = [f"device: {device}; {summary['rounds']} interleaved rounds of {summary['block_steps']} steps per variant",
+             "", f"{'variant':<11} {'step':>12} {'tokens/s':>12} {'loader wait':>12}"]
+    for name in VARIANTS:
+        r = summary[name]
+        step = f"{r['step_time_us']:.0f} us" if r["step_time_s"] < 0.01 else f"{1e3 * r['step_time_s']:.2f} ms"
+        lines.append(f"{name:<11} {step:>12} {r['tokens_per_s']:>12,.0f} {100 * r['loader_wait_frac']:>11.2f}%")
+    for key, label, target in (("accelerate_over_bare", "accelerate / bare:  ", "target <= 1.02"),
+                               ("torch_over_accelerate", "torch / accelerate: ", "target 0.98 .. 1.02")):
+        r = summary[key]
+        lines.append(f"{label} {r['median']:.3f}  (rounds {r['low']:.3f} .. {r['high']:.3f}; {target})")
     return "\n".join(lines)
 
 
