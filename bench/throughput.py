@@ -5,6 +5,9 @@
                 AdamW step, a host sync at logging steps only (as nanoGPT's train.py feeds its batches)
     accelerate  train/main.py's train() with an Accelerator (1 process)
     torch       the same train() with torch_ddp.TorchDDP (1 process)
+    nanogpt     with `--nanogpt PATH` (a checkout of karpathy/nanoGPT, never copied here): nanoGPT's own
+                model.py and its train.py's loop (get_batch from a uint16 memmap of the same bytes,
+                configure_optimizers, get_lr, clip), on the same model size, batch and text
 
 Each variant runs in its own thread. A baton lets one thread at a time run a block of `--block` optimizer
 steps, in an order that rotates every round, so each round times the three back to back. The first
@@ -18,6 +21,8 @@ highest round). Two back-to-back runs agreeing within 2% is what `--repeat 2` sh
     python bench/throughput.py --fixed_cost                 # 1 layer, width 32: per-step overhead in microseconds
     python bench/throughput.py --repeat 2                   # the same measurement twice, back to back
     python bench/throughput.py --quick                      # seconds: the test suite's smoke run
+    python bench/throughput.py --nanogpt ../nanoGPT --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 \
+        --batch_size 12                                     # the issue's side-by-side config
 
 Any further flags are TrainConfig flags, shared by all three variants; `--out FILE` also writes the
 figures as JSON. The loader wait is the time spent in `next()` on the training stream (data.TrainBatches,
@@ -45,9 +50,10 @@ FIXED_COST_MODEL = ["--n_layer", "1", "--n_head", "1", "--n_embd", "32", "--bloc
 
 def main(argv: list[str]) -> None:
     opts, train_args = parse(argv)
+    variants = VARIANTS + (("nanogpt",) if opts["nanogpt"] else ())
     results = []
     for _ in range(opts["repeat"]):
-        results.append(measure(train_args, opts["rounds"], opts["block"], opts["warmup"]))
+        results.append(measure(train_args, variants, opts))
         print(report(results[-1]))
         print()
     if opts["repeat"] > 1:
@@ -59,7 +65,7 @@ def main(argv: list[str]) -> None:
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"out": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1}
+    opts = {"out": "", "nanogpt": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1}
     rest, i = [], 0
     while i < len(argv):
         key = argv[i].removeprefix("--")
@@ -68,7 +74,7 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
         elif key == "fixed_cost":
             rest += FIXED_COST_MODEL
         elif key in opts:
-            opts[key] = argv[i + 1] if key == "out" else int(argv[i + 1])
+            opts[key] = argv[i + 1] if key in ("out", "nanogpt") else int(argv[i + 1])
             i += 1
         else:
             rest += argv[i:i + 2]
@@ -150,14 +156,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure(train_args: list[str], rounds: int, block: int, warmup: int) -> dict:
-    """Run the three variants interleaved in this process; return per-variant figures and per-round ratios."""
+def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dict:
+    """Run the variants interleaved in this process; return per-variant figures and per-round ratios."""
     import data
     import main as accelerate_main
     import torch_ddp
     from config import load_config
 
-    baton = Baton(VARIANTS, block, rounds)
+    block = opts["block"]
+    baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
     next_batch = data.TrainBatches.__next__
 
@@ -174,6 +181,8 @@ def measure(train_args: list[str], rounds: int, block: int, warmup: int) -> dict
             cfg = load_config([*train_args, "--output_dir", str(workdir / name)])
             if name == "bare":
                 bare_loop(cfg, baton)
+            elif name == "nanogpt":
+                nanogpt_loop(cfg, baton, Path(opts["nanogpt"]), workdir)
             else:
                 plumbing = accelerate_main.build_accelerator(cfg) if name == "accelerate" else torch_ddp.TorchDDP(cfg)
                 accelerate_main.train(cfg, plumbing)
@@ -192,7 +201,7 @@ def measure(train_args: list[str], rounds: int, block: int, warmup: int) -> dict
         accelerate_main.Throughput.step = step
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # train()'s log lines
-                threads = [threading.Thread(target=run, args=(name, Path(workdir)), name=name) for name in VARIANTS]
+                threads = [threading.Thread(target=run, args=(name, Path(workdir)), name=name) for name in variants]
                 for thread in threads:
                     thread.start()
                 for thread in threads:
@@ -203,7 +212,7 @@ def measure(train_args: list[str], rounds: int, block: int, warmup: int) -> dict
         raise baton.errors[0]
     cfg = load_config(train_args)
     tokens = cfg.batch_size * cfg.grad_accum_steps * cfg.block_size
-    return summarize(baton, warmup, block, tokens, train_args)
+    return summarize(baton, opts["warmup"], block, tokens, train_args)
 
 
 def bare_loop(cfg, baton: Baton) -> None:
@@ -244,18 +253,88 @@ def bare_loop(cfg, baton: Baton) -> None:
         baton.step("bare")
 
 
+def nanogpt_loop(cfg, baton: Baton, checkout: Path, workdir: str) -> None:
+    """nanoGPT's train.py loop around nanoGPT's own model.py (imported from the checkout), on the same bytes."""
+    import importlib.util
+    import math
+
+    import numpy as np
+    import torch
+
+    from data import build_datasets
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", checkout / "model.py")  # ours is `model` too
+    nanogpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nanogpt)
+    GPT, GPTConfig = nanogpt.GPT, nanogpt.GPTConfig  # noqa: N806 - nanoGPT's names
+
+    train_set, _ = build_datasets(cfg)
+    path = Path(workdir) / "nanogpt_train.bin"  # nanoGPT's format: the token stream as uint16
+    np.asarray(train_set[:]["input_ids"], dtype=np.uint16).reshape(-1).tofile(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=256, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                          n_embd=cfg.n_embd, dropout=cfg.dropout, bias=True)).to(device)
+    model = torch.compile(model) if cfg.compile else model
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device)
+    ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
+
+    def get_batch():  # train.py's, as written there
+        data = np.memmap(path, dtype=np.uint16, mode="r")
+        ix = torch.randint(len(data) - cfg.block_size, (cfg.batch_size,))
+        x = torch.stack([torch.from_numpy((data[i:i + cfg.block_size]).astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + cfg.block_size]).astype(np.int64)) for i in ix])
+        if device == "cuda":
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return x.to(device), y.to(device)
+
+    def get_lr(it):  # train.py's
+        if it < cfg.warmup:
+            return cfg.lr * (it + 1) / (cfg.warmup + 1)
+        if it > cfg.decay_steps:
+            return cfg.min_lr
+        coeff = 0.5 * (1.0 + math.cos(math.pi * (it - cfg.warmup) / (cfg.decay_steps - cfg.warmup)))
+        return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+    start = time.perf_counter()
+    x, y = get_batch()
+    baton.loader_wait("nanogpt", time.perf_counter() - start)
+    for step in range(cfg.max_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(step)
+        for _ in range(cfg.grad_accum_steps):
+            with ctx:
+                _, loss = model(x, y)
+                loss = loss / cfg.grad_accum_steps
+            start = time.perf_counter()
+            x, y = get_batch()  # train.py fetches the next batch here, while the GPU works
+            baton.loader_wait("nanogpt", time.perf_counter() - start)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % cfg.log_every == 0:
+            loss.item()
+        baton.step("nanogpt")
+
+
 def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train_args: list[str]) -> dict:
-    counted = {name: baton.seconds[name][warmup:] for name in VARIANTS}
+    variants = tuple(baton.seconds)
+    counted = {name: baton.seconds[name][warmup:] for name in variants}
     rounds = min(len(s) for s in counted.values())
     summary = {"rounds": rounds, "block_steps": block, "train_args": train_args}
-    for name in VARIANTS:
+    for name in variants:
         step_times = [s / block for s in counted[name]]
         waits = [w / s for w, s in zip(baton.waits[name][warmup:], counted[name], strict=True)]
         step = statistics.median(step_times)
         summary[name] = {"step_time_s": step, "step_time_us": 1e6 * step, "tokens_per_s": tokens_per_step / step,
                          "loader_wait_frac": statistics.median(waits)}
     for key, top, bottom in (("accelerate_over_bare", "accelerate", "bare"),
-                             ("torch_over_accelerate", "torch", "accelerate")):
+                             ("torch_over_accelerate", "torch", "accelerate"),
+                             ("nanogpt_over_accelerate", "nanogpt", "accelerate"),  # = accelerate's speed-up
+                             ("nanogpt_over_bare", "nanogpt", "bare")):
+        if top not in counted:
+            continue
         ratios = [a / b for a, b in zip(counted[top][:rounds], counted[bottom][:rounds], strict=True)]
         summary[key] = {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios)}
     return summary
@@ -267,12 +346,16 @@ def report(summary: dict) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     lines = [f"device: {device}; {summary['rounds']} interleaved rounds of {summary['block_steps']} steps per variant",
              "", f"{'variant':<11} {'step':>12} {'tokens/s':>12} {'loader wait':>12}"]
-    for name in VARIANTS:
+    for name in (name for name in (*VARIANTS, "nanogpt") if name in summary):
         r = summary[name]
         step = f"{r['step_time_us']:.0f} us" if r["step_time_s"] < 0.01 else f"{1e3 * r['step_time_s']:.2f} ms"
         lines.append(f"{name:<11} {step:>12} {r['tokens_per_s']:>12,.0f} {100 * r['loader_wait_frac']:>11.2f}%")
     for key, label, target in (("accelerate_over_bare", "accelerate / bare:  ", "target <= 1.02"),
-                               ("torch_over_accelerate", "torch / accelerate: ", "target 0.98 .. 1.02")):
+                               ("torch_over_accelerate", "torch / accelerate: ", "target 0.98 .. 1.02"),
+                               ("nanogpt_over_accelerate", "nanogpt / accelerate:", "Accelerate's speed-up; >= 1.10"),
+                               ("nanogpt_over_bare", "nanogpt / bare:     ", "target >= 1.00")):
+        if key not in summary:
+            continue
         r = summary[key]
         lines.append(f"{label} {r['median']:.3f}  (rounds {r['low']:.3f} .. {r['high']:.3f}; {target})")
     return "\n".join(lines)
