@@ -20,6 +20,7 @@ highest round). Two back-to-back runs agreeing within 2% is what `--repeat 2` sh
     python bench/throughput.py --rounds 20 --block 10 --n_layer 4 --n_embd 128 --block_size 64 --batch_size 12
     python bench/throughput.py --fixed_cost                 # 1 layer, width 32: per-step overhead in microseconds
     python bench/throughput.py --repeat 2                   # the same measurement twice, back to back
+    python bench/throughput.py --startup                    # launch to first optimizer step, 2 processes
     python bench/throughput.py --quick                      # seconds: the test suite's smoke run
     python bench/throughput.py --nanogpt ../nanoGPT --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 \
         --batch_size 12                                     # the issue's side-by-side config
@@ -50,6 +51,9 @@ FIXED_COST_MODEL = ["--n_layer", "1", "--n_head", "1", "--n_embd", "32", "--bloc
 
 def main(argv: list[str]) -> None:
     opts, train_args = parse(argv)
+    if opts["startup"]:
+        print(startup_report(measure_startup(train_args, opts["startup"])))
+        return
     variants = VARIANTS + (("nanogpt",) if opts["nanogpt"] else ())
     results = []
     for _ in range(opts["repeat"]):
@@ -65,7 +69,7 @@ def main(argv: list[str]) -> None:
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"out": "", "nanogpt": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1}
+    opts = {"out": "", "nanogpt": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1, "startup": 0}
     rest, i = [], 0
     while i < len(argv):
         key = argv[i].removeprefix("--")
@@ -73,6 +77,8 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
             opts.update(rounds=3, block=3, warmup=1)
         elif key == "fixed_cost":
             rest += FIXED_COST_MODEL
+        elif key == "startup" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            opts["startup"] = 3  # launches of each kind
         elif key in opts:
             opts[key] = argv[i + 1] if key in ("out", "nanogpt") else int(argv[i + 1])
             i += 1
@@ -359,6 +365,84 @@ def report(summary: dict) -> str:
         r = summary[key]
         lines.append(f"{label} {r['median']:.3f}  (rounds {r['low']:.3f} .. {r['high']:.3f}; {target})")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- start-up: launch to the first optimizer step
+
+MINIMAL_SCRIPT = """
+import sys, time, torch, datasets
+from accelerate import Accelerator
+sys.path.insert(0, {train!r})
+from model import build_model
+from config import TrainConfig
+cfg = TrainConfig(block_size={block_size}, n_layer={n_layer}, n_head={n_head}, n_embd={n_embd})
+accelerator = Accelerator(cpu=not torch.cuda.is_available())
+text = datasets.load_dataset("json", data_files={dataset!r})["train"]
+ids = text.map(lambda b: {{"input_ids": [list(t.encode()[:cfg.block_size].ljust(cfg.block_size, b" "))
+                                         for t in b["text"]]}}, batched=True, remove_columns=text.column_names)
+loader = torch.utils.data.DataLoader(ids.with_format("torch"), batch_size={batch_size})
+model = build_model(cfg)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+batch = next(iter(loader))
+accelerator.backward(model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss)
+optimizer.step()
+if accelerator.is_main_process:
+    open({marker!r}, "w").write("first step")
+"""
+
+
+def measure_startup(train_args: list[str], launches: int) -> dict:
+    """Seconds from the launch command to the first optimizer step (the first metrics row; the minimal script's
+    marker file), 2 processes, each launch alone on the machine; the median of `launches`."""
+    import subprocess
+
+    from config import load_config
+
+    cfg = load_config(train_args)
+    dataset = cfg.dataset if cfg.dataset != "python_stdlib" else str(REPO / "data/python_stdlib/stdlib.jsonl")
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(REPO / "accelerate_configs/cpu.yaml" if not _on_gpu() else REPO / "accelerate_configs/8gpu.yaml"),
+                  "--num_processes", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    results: dict[str, list[float]] = {"accelerate launch": [], "torchrun": [], "minimal Accelerate script": []}
+    with tempfile.TemporaryDirectory() as workdir:
+        for launch in range(launches):
+            for kind in results:
+                out = Path(workdir) / f"{kind.replace(' ', '_')}_{launch}"
+                marker = out / "metrics.jsonl"
+                args = [*train_args, "--output_dir", str(out), "--log_every", "1", "--max_steps", "1"]
+                if kind == "accelerate launch":
+                    cmd = [*accelerate, str(REPO / "train/main.py"), *args]
+                elif kind == "torchrun":
+                    cmd = [*torchrun, str(REPO / "train/torch_ddp.py"), *args]
+                else:
+                    out.mkdir(parents=True)
+                    script = out / "minimal.py"
+                    script.write_text(MINIMAL_SCRIPT.format(
+                        train=str(REPO / "train"), dataset=dataset, marker=str(marker), block_size=cfg.block_size,
+                        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, batch_size=cfg.batch_size))
+                    cmd = [*accelerate, str(script)]
+                started = time.perf_counter()
+                process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                while not (marker.exists() and marker.stat().st_size) and process.poll() is None:
+                    time.sleep(0.01)
+                results[kind].append(time.perf_counter() - started)
+                process.wait()
+    return {kind: statistics.median(seconds) for kind, seconds in results.items()}
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def startup_report(seconds: dict) -> str:
+    minimal = seconds["minimal Accelerate script"]
+    return "\n".join(["launch to first optimizer step, 2 processes (median):"] + [
+        f"  {kind:<27} {value:6.2f} s  ({value / minimal:.2f}x the minimal script; target <= 1.2)"
+        for kind, value in seconds.items()])
 
 
 if __name__ == "__main__":

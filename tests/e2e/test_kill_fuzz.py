@@ -4,7 +4,7 @@ the uninterrupted run, with every step logged exactly once.
 The moments are events counted by tests/helpers/faulty_main.py (FAULT_KILL_EVENT): preparing the data,
 every collective decision (locking the run folder, choosing and loading the checkpoint, each phase of a
 save, the export), every logging step, the middle of the writer's save, and pruning (after a publish).
-KILL_FUZZ_POINTS=50 python -m pytest tests/e2e/test_kill_fuzz.py runs the long version (default 5).
+KILL_FUZZ_POINTS=50 python -m pytest tests/e2e/test_kill_fuzz.py runs the long version (default 3).
 """
 
 import json
@@ -17,7 +17,7 @@ from conftest import FAULTY_MAIN, assert_matches_baseline, baseline_args, launch
 
 pytestmark = pytest.mark.slow
 
-KILLS = int(os.environ.get("KILL_FUZZ_POINTS", "5"))
+KILLS = int(os.environ.get("KILL_FUZZ_POINTS", "3"))
 MAX_STEPS, SAVE_EVERY = 24, 8  # the baseline's
 
 
