@@ -173,8 +173,7 @@ class TrainBatches:
         self._stream = None
 
     @property
-    def epoch(self) -> float:
-        """Epochs done, fractional (1.5: half-way through the second)."""
+    def epoch(self) -> float:  # epochs done, fractional: 1.5 is half-way through the second
         return self.micro_batches * self.samples_per_micro_batch / len(self.sampler)
 
     def __next__(self) -> dict:

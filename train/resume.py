@@ -168,8 +168,7 @@ def init_weights(plumbing, model, source: str) -> Path:
 
 
 def _check_same_step_everywhere(plumbing, step: int) -> None:
-    """On node-local disks each node picks its own newest checkpoint; they must be the same step.
-    All ranks agree iff mean(step^2) == mean(step)^2 (two all-reduces, no gather needed)."""
+    """Each node may pick its own newest checkpoint (node-local disks); all agree iff mean(step²) == mean(step)²."""
     values = torch.tensor([step, step * step], dtype=torch.float64, device=plumbing.device)
     mean, mean_square = plumbing.reduce(values, "mean").tolist()
     if mean_square != mean * mean:
