@@ -202,9 +202,16 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         original_step(self)
         baton.step(local.name)
 
+    build_datasets, building = data.build_datasets, threading.Lock()
+
+    def build_datasets_one_at_a_time(cfg):  # datasets' progress bars are not thread-safe
+        with building:
+            return build_datasets(cfg)
+
     with tempfile.TemporaryDirectory() as workdir:
         data.TrainBatches.__next__ = timed_next
         accelerate_main.Throughput.step = step
+        data.build_datasets = accelerate_main.build_datasets = build_datasets_one_at_a_time
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # train()'s log lines
                 threads = [threading.Thread(target=run, args=(name, Path(workdir)), name=name) for name in variants]
@@ -214,6 +221,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
                     thread.join()
         finally:
             data.TrainBatches.__next__, accelerate_main.Throughput.step = next_batch, original_step
+            data.build_datasets = accelerate_main.build_datasets = build_datasets
     if baton.errors:
         raise baton.errors[0]
     cfg = load_config(train_args)
@@ -377,9 +385,11 @@ from model import build_model
 from config import TrainConfig
 cfg = TrainConfig(block_size={block_size}, n_layer={n_layer}, n_head={n_head}, n_embd={n_embd})
 accelerator = Accelerator(cpu=not torch.cuda.is_available())
-text = datasets.load_dataset("json", data_files={dataset!r})["train"]
-ids = text.map(lambda b: {{"input_ids": [list(t.encode()[:cfg.block_size].ljust(cfg.block_size, b" "))
-                                         for t in b["text"]]}}, batched=True, remove_columns=text.column_names)
+def encode(batch):  # no closure: datasets caches the result by the function's hash, as it does the template's
+    return {{"input_ids": [list(t.encode()[:{block_size}].ljust({block_size}, b" ")) for t in batch["text"]]}}
+with accelerator.main_process_first():  # as Accelerate's examples do
+    text = datasets.load_dataset("json", data_files={dataset!r})["train"]
+    ids = text.map(encode, batched=True, remove_columns=text.column_names)
 loader = torch.utils.data.DataLoader(ids.with_format("torch"), batch_size={batch_size})
 model = build_model(cfg)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
