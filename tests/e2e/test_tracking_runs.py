@@ -59,10 +59,12 @@ def test_wandb_offline_two_processes_and_tensorboard(tmp_path, corpus):
 def test_a_crashed_run_resumes_its_wandb_run_rewound_to_the_checkpoint(tmp_path, corpus):
     out = tmp_path / "run"
     args = tiny_args(out, corpus, max_steps=10, log_every=1, eval_every=100, save_every=4, tracker="wandb")
-    crashed = run_python([*args, "--resume", "latest"], tmp_path, script=FAULTY_MAIN,  # one process: W&B is rank 0's
-                         env_extra={"FAULT_STEP": 7, "FAULT_ACTION": "sigkill", "FAULT_ONCE": tmp_path / "x"})
+    # rank 1 dies; rank 0, which holds the W&B run, sees its peer gone and exits with its records flushed
+    crashed = launch_accelerate([*args, "--resume", "latest"], tmp_path, script=FAULTY_MAIN,
+                                env_extra={"FAULT_STEP": 7, "FAULT_RANK": 1, "FAULT_ACTION": "sigkill",
+                                           "FAULT_ONCE": tmp_path / "x"})
     assert crashed.returncode != 0 and "starting fresh" in crashed.output
-    run_python([*args, "--resume", "latest"], tmp_path).check()
+    launch_accelerate([*args, "--resume", "latest"], tmp_path).check()
     first, second = (read_run(next(p.glob("run-*.wandb"))) for p in offline_runs(out))
     assert first["run_id"] == second["run_id"]  # offline, W&B writes a second folder with the same id
     assert all(p.name.endswith(first["run_id"]) for p in offline_runs(out))
