@@ -79,7 +79,17 @@ def test_bf16_wraps_the_module_and_unwrap_model_takes_every_wrapper_off():
 def test_gather_for_metrics_takes_nested_data_and_keeps_no_state():
     plumbing = TorchDDP(TrainConfig())
     data = {"loss": torch.arange(3.0), "pair": (torch.ones(2), [torch.zeros(1)])}
-    for _ in range(2):  # the same answer however often it is called
-        gathered = plumbing.gather_for_metrics(data)
-        assert torch.equal(gathered["loss"], data["loss"]) and isinstance(gathered["pair"], tuple)
-        assert isinstance(gathered["pair"][1], list) and torch.equal(gathered["pair"][1][0], torch.zeros(1))
+    gathered = plumbing.gather_for_metrics(data)
+    assert torch.equal(gathered["loss"], data["loss"]) and isinstance(gathered["pair"], tuple)
+    assert isinstance(gathered["pair"][1], list) and torch.equal(gathered["pair"][1][0], torch.zeros(1))
+    # rank 0's view of 2 processes (no process group): 5 eval samples in global batches of 2 x 2, so the last
+    # global batch holds 1 real sample and 3 repeats. Only there is anything dropped, however often it is called.
+    plumbing.num_processes = 2
+    loader = plumbing.prepare(DataLoader(torch.arange(5.0), batch_size=2))
+    kept = []
+    for batch in loader:
+        first, again = plumbing.gather_for_metrics(batch), plumbing.gather_for_metrics(batch)
+        assert torch.equal(first, again)
+        kept.append(first)
+    assert [k.tolist() for k in kept] == [[0.0, 1.0], [4.0]]
+    assert torch.equal(plumbing.gather_for_metrics(torch.ones(2)), torch.ones(2))  # outside the last batch: all
