@@ -2,6 +2,7 @@
 
     <output_dir>/checkpoints/step_00000100/     a committed checkpoint: one file (or one per process) per part
         model.safetensors  optimizer.pt  train_state.json  data.json  rng_rank{r}.pt  [scaler.json]  [ema...]
+        (sharded, FSDP: model/ and optimizer/, torch.distributed.checkpoint folders with a file per process)
         config.yaml (the resolved config)   manifest.json (last: the run's geometry, names, sizes, xxh3 checksums)
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
     <output_dir>/model.safetensors              the exported model at the end of training
@@ -22,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 import xxhash
 import yaml
-from safetensors.torch import save_model
+from safetensors.torch import save_file, save_model
 
 from config import ConfigError
 from job import collectively, is_writer
@@ -82,9 +84,50 @@ class ProcessRNG:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class ShardedState:
+    """A sharded (FSDP) model's weights, or with `optimizer` that optimizer's state: every process writes and reads
+    its own shards through torch.distributed.checkpoint (DCP), which reshards on a resume at another world size."""
+
+    sharded = True  # written as the folder <name>/: a .distcp file per process, and .metadata
+
+    def __init__(self, model, optimizer=None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        if self.optimizer is None:
+            return get_model_state_dict(self.model)
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def is_sharded(module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whatever sharded the model (1.2 s to import)
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
+def tied_weights(module) -> list[list[str]]:
+    """Groups of names that share one parameter (GPT's wte.weight and lm_head.weight): a weights file holds one."""
+    names = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def checkpoint_parts(plumbing, **parts) -> dict:
     """The named parts a checkpoint saves and a resume restores: the ones given, this process's RNG, and
     fp16's loss scaler. A fork adds its own in one line, before the resume: parts["ema"] = ema_model."""
+    model = plumbing.unwrap_model(parts["model"], keep_torch_compile=False)
+    if is_sharded(model):  # no process holds all of it: each writes its shards
+        parts["model"], parts["optimizer"] = ShardedState(model), ShardedState(model, parts["optimizer"])
     parts["rng"] = ProcessRNG()
     if plumbing.scaler is not None:
         parts["scaler"] = plumbing.scaler
@@ -145,9 +188,12 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Pa
 
 
 def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
-    """A module as <name>.safetensors, a per-process part as <name>_rank{r}.pt by every process, any other part by
-    the writer: <name>.json if its state is plain values, else <name>.pt (tensors, read back weights_only)."""
-    if getattr(part, "per_process", False):
+    """A module as <name>.safetensors, a sharded part as <name>/ and a per-process part as <name>_rank{r}.pt by every
+    process, any other part by the writer: <name>.json if its state is plain values, else <name>.pt (tensors, read
+    back weights_only)."""
+    if getattr(part, "sharded", False):  # collective: every process writes its shards, rank 0 the metadata
+        sharded_io(folder, name, part)
+    elif getattr(part, "per_process", False):
         _write_file(folder / f"{name}_rank{plumbing.process_index}.pt", part.state_dict())
     elif not writer:
         return
@@ -161,13 +207,26 @@ def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
             _write_file(folder / f"{name}.pt", state)
 
 
+def sharded_io(folder: Path, name: str, part, load: bool = False) -> None:
+    """torch.distributed.checkpoint's save or load of a sharded part as <folder>/<name>/ (collective). It reports a
+    failure on any process to all of them as one BaseException: re-raised here as the first process's error."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        (dcp.load if load else dcp.save)({name: part}, checkpoint_id=folder / name)
+    except dcp.api.CheckpointException as e:
+        error = next(iter(e.failures.values()))[0]
+        raise error if isinstance(error, Exception) else RuntimeError(str(error)) from None
+
+
 def _publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
     """Manifest last, then one rename: a checkpoint is either complete under its final name or absent."""
     missing = [name for name in expected if not (tmp / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint of step {about['step']} is missing {', '.join(missing)}: is output_dir "
                               f"on a filesystem every node sees? If not, pass --shared_filesystem false")
-    files = {p.name: {"bytes": p.stat().st_size, "xxh3_64": file_digest(p)} for p in sorted(tmp.iterdir())}
+    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "xxh3_64": file_digest(p)}
+             for p in sorted(tmp.rglob("*")) if p.is_file()}
     _write_file(tmp / "manifest.json", json.dumps({**about, "files": files}, indent=2).encode())
     if final.exists():  # the same step saved again (a resumed run): keep the old one until the swap
         stale = final.with_name(final.name + ".stale")
@@ -197,10 +256,10 @@ def prune_checkpoints(output_dir: str, keep_last: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)  # called right after a commit: no save is in flight
 
 
-def save_safetensors(module, path: Path) -> None:
-    """safetensors creates its file 0600; give it the mode any other file gets here (umask), so that
-    teammates on a shared filesystem can read the weights."""
-    save_model(module, str(path))
+def save_safetensors(weights, path: Path) -> None:
+    """A module's weights (or a state dict) as safetensors, with the mode any other file gets here (umask): safetensors
+    creates its files 0600, which teammates on a shared filesystem could not read."""
+    save_model(weights, str(path)) if isinstance(weights, torch.nn.Module) else save_file(weights, str(path))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
@@ -226,9 +285,22 @@ def file_digest(path: Path) -> str:
 
 
 def export_model(plumbing, model, output_dir: str) -> Path:
-    """The trained weights as <output_dir>/model.safetensors (main process; collective barrier)."""
+    """The trained weights as <output_dir>/model.safetensors, written by the main process (collective). A sharded
+    model is gathered whole first, in the main process's CPU memory: the file is the same as an unsharded run's."""
     path = Path(output_dir) / "model.safetensors"
     tmp = path.with_name(path.name + ".tmp")
+    weights = plumbing.unwrap_model(model, keep_torch_compile=False)
+    if is_sharded(weights):
+        weights = full_weights(weights)
     collectively(plumbing, f"exporting {path}", lambda: plumbing.is_main_process and (
-        save_safetensors(plumbing.unwrap_model(model, keep_torch_compile=False), tmp), os.replace(tmp, path)))
+        save_safetensors(weights, tmp), os.replace(tmp, path)))
     return path
+
+
+def full_weights(module) -> dict:
+    """A sharded model's whole state dict on the main process ({} elsewhere; collective), one name per tied weight."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    aliases = {name for group in tied_weights(module) for name in sorted(group)[1:]}  # save_model keeps the first
+    return {name: tensor for name, tensor in state.items() if name not in aliases}

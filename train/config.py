@@ -89,7 +89,14 @@ class TrainConfig:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted after a newer one is committed
     # ---- distributed
     dist_timeout_s: int = 1800  # collective timeout; raise it if one node prepares data much longer than others
+    fsdp: str = "no"  # torch_ddp.py: no (DDP) | full (FSDP2: each block and the root sharded over all processes)
+    #                   | hybrid (HSDP: sharded in a node, replicated across nodes); main.py: the accelerate config's
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 slower
     find_unused_parameters: bool = False  # DDP: true only if some parameters get no gradient in a step (slower)
+    static_graph: bool = False  # DDP: the same parameters get gradients every step; skips per-step bookkeeping
+    gradient_as_bucket_view: bool = False  # DDP: gradients are views into the all-reduce buckets: less memory
+    bucket_cap_mb: int = 25  # DDP: all-reduce bucket size; bigger suits fast links, smaller overlaps more of backward
+    broadcast_buffers: bool = True  # DDP: copy rank 0's buffers (BatchNorm statistics) to all ranks at each forward
     shared_filesystem: bool = True  # output_dir and the HF cache are one filesystem all nodes see (NFS, Lustre);
     #                                 false: node-local disks, data prepared and checkpoints kept on every node
 
@@ -105,13 +112,18 @@ class TrainConfig:
     def warmup(self) -> int:
         return self.warmup_steps if self.warmup_steps >= 0 else self.decay_steps // 10
 
+    def ddp_options(self) -> dict:
+        """DistributedDataParallel's keyword arguments, the same on both plumbings."""
+        return {key: getattr(self, key) for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
+                                                    "bucket_cap_mb", "broadcast_buffers")}
+
     def trackers(self) -> list[str]:
         return [t for t in self.tracker.split(",") if t and t != "none"]
 
     def validate(self) -> None:
         """Raise ConfigError on the first bad value, naming its key."""
         for key in ("max_steps", "batch_size", "grad_accum_steps", "block_size", "n_layer", "n_head",
-                    "n_embd", "log_every", "eval_every", "keep_last", "dist_timeout_s"):
+                    "n_embd", "log_every", "eval_every", "keep_last", "dist_timeout_s", "bucket_cap_mb"):
             _require(key, getattr(self, key) > 0, "must be > 0", getattr(self, key))
         for key in ("weight_decay", "max_grad_norm", "save_every", "num_workers", "min_lr", "lr_decay_steps"):
             _require(key, getattr(self, key) >= 0, "must be >= 0", getattr(self, key))
@@ -128,6 +140,9 @@ class TrainConfig:
                  f"must be divisible by n_head ({self.n_head})", self.n_embd)
         _require("mixed_precision", self.mixed_precision in ("", "no", "bf16", "fp16"),
                  "must be one of no, bf16, fp16 (or '' for the launcher's)", self.mixed_precision)
+        _require("fsdp", self.fsdp in ("no", "full", "hybrid"), "must be one of no, full, hybrid", self.fsdp)
+        _require("fsdp", self.fsdp == "no" or self.shared_filesystem, "needs shared_filesystem true (every process "
+                 "writes its shards into one checkpoint folder)", self.fsdp)
         for name in self.tracker.split(","):
             _require("tracker", name in TRACKERS, f"entries must be among {', '.join(TRACKERS)}", self.tracker)
         _require("text_column", self.text_column != "", "must not be empty", self.text_column)

@@ -27,7 +27,7 @@ from checkpoint import TrainState, checkpoint_parts, export_model, latest_checkp
 from config import ConfigError, RunError, TrainConfig
 from data import EpochSampler, TrainBatches, build_datasets, collate, data_identity
 from job import check_world_size, claim_run_folder, init_process_group, load_config_or_exit, run_or_exit, stop_signals
-from model import build_model, causal_lm_loss
+from model import build_model, causal_lm_loss, checkpoint_activations
 from optim import build_optimizer, lr_at, set_lr
 from plumbing import Plumbing
 from resume import resume_or_start
@@ -48,6 +48,12 @@ def build_accelerator(cfg: TrainConfig):
         GradientAccumulationPlugin,
     )
 
+    if cfg.fsdp != "no":
+        raise ConfigError("fsdp is torch_ddp.py's switch; main.py shards as its accelerate config says "
+                          "(accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train/main.py)")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError("accelerate config: set fsdp_version: 2 (FSDP1's state dicts are not the sharded "
+                          "checkpoint parts this template saves)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_process_group(cfg.dist_timeout_s)  # restart-safe (job.py); the Accelerator adopts it
 
@@ -63,7 +69,7 @@ def build_accelerator(cfg: TrainConfig):
         # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the host on each
         # batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with it)
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.find_unused_parameters)],
+        kwargs_handlers=[DistributedDataParallelKwargs(**cfg.ddp_options())],
         log_with=cfg.trackers() or None,  # started later, by MetricsLogger, on the main process only
         project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
     )
@@ -93,11 +99,14 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     # ---------------------------------------------------------------- model and optimizer
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     model = build_model(cfg)
+    if cfg.activation_checkpointing:
+        checkpoint_activations(model)
     optimizer = build_optimizer(model, cfg)
-    # prepare: DDP-wraps the model; each loader gives this rank its share of every global batch, on the device. The
-    # optimizer only under fp16 (its loss scaler steps it): elsewhere accelerate's wrapper costs ~0.3 ms a step
-    model, train_loader, eval_loader = accelerator.prepare(model, train_loader, eval_loader)
-    optimizer = accelerator.prepare(optimizer) if accelerator.mixed_precision == "fp16" else optimizer
+    # prepare: wraps the model in DDP (or shards it, FSDP, and points the optimizer at the shards); each loader gives
+    # this rank its share of every global batch, on the device
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if accelerator.scaler is None:  # accelerate's optimizer wrapper steps fp16's loss scaler, else it costs 0.3 ms/step
+        optimizer = getattr(optimizer, "optimizer", optimizer)
     batches = TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
     check_loss_contract(model, eval_set, accelerator.device)  # the model's .loss is the loss evaluate() reports
     if cfg.compile:

@@ -8,12 +8,16 @@ with `.loss` (mean next-token loss) and `.logits` (batch, time, vocab). A
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from config import ConfigError
 
 VOCAB_SIZE = 256  # byte-level: every UTF-8 byte is a token, so there is no tokenizer to download
 
@@ -76,6 +80,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    _no_split_modules = ["Block"]  # the unit FSDP shards and activation checkpointing recomputes (Hugging Face's name)
+
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
                  dropout: float = 0.0):
         super().__init__()
@@ -128,3 +134,19 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                 ignore_index=-100, reduction="none").view_as(targets)
     counted = (targets != -100).sum(dim=1).clamp(min=1)
     return per_token.sum(dim=1) / counted
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules whose class model._no_split_modules names (Hugging Face models set it; so does GPT)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ConfigError(f"model: {type(model).__name__}._no_split_modules must name its transformer block class "
+                          f"(FSDP shards and activation_checkpointing recomputes block by block)")
+    return blocks
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Each block keeps only its input in forward and recomputes the rest in backward (dropout masks included)."""
+    for block in transformer_blocks(model):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

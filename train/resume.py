@@ -12,16 +12,19 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_model
+from safetensors.torch import load_file, load_model
 
 from checkpoint import (
     CheckpointError,
     TrainState,
     committed_checkpoints,
     file_digest,
+    is_sharded,
     latest_checkpoint,
     recover_interrupted_swap,
     run_geometry,
+    sharded_io,
+    tied_weights,
 )
 from config import ConfigError, first_line
 from job import collectively, is_writer
@@ -127,7 +130,9 @@ def load_checkpoint(plumbing, cfg, folder: Path, parts: dict, identity: dict) ->
               if same_world or not getattr(part, "per_process", False)}
     for name, state in states.items():
         try:
-            if isinstance(parts[name], torch.nn.Module):  # via CPU; copied into the parameters in place
+            if getattr(parts[name], "sharded", False):  # collective; DCP reshards to this run's processes
+                sharded_io(folder, name, parts[name], load=True)
+            elif isinstance(parts[name], torch.nn.Module):  # via CPU; copied into the parameters in place
                 load_model(plumbing.unwrap_model(parts[name], keep_torch_compile=False), str(state))
             else:
                 parts[name].load_state_dict(state)
@@ -144,6 +149,13 @@ def _read_part(folder: Path, name: str, part, plumbing):
     """A part's saved state (for a module: its weights file, checked against the module)."""
     if getattr(part, "per_process", False):
         return _read(folder / f"{name}_rank{plumbing.process_index}.pt")
+    if getattr(part, "sharded", False) != (folder / name).is_dir():
+        saved, now = ("sharded", "unsharded") if (folder / name).is_dir() else ("unsharded", "sharded")
+        raise CheckpointError(f"{folder} holds {name} {saved} and this run's is {now} (fsdp, or the accelerate "
+                              f"config): resume with the setting it was saved with, or start a new run from "
+                              f"its weights with --init_from (python scripts/consolidate.py makes one file of them)")
+    if getattr(part, "sharded", False):
+        return folder / name
     if isinstance(part, torch.nn.Module):
         _check_weights(folder / f"{name}.safetensors", plumbing.unwrap_model(part, keep_torch_compile=False))
         return folder / f"{name}.safetensors"
@@ -163,7 +175,15 @@ def init_weights(plumbing, model, source: str) -> Path:
     if not path.is_file():
         raise CheckpointError(f"init_from: {path} does not exist")
     _check_weights(path, module)
-    load_model(module, str(path))
+    if is_sharded(module):  # every process reads the whole file and keeps its shards
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        weights = load_file(str(path))
+        for group in tied_weights(module):  # the file holds one name of each tied group
+            weights.update({name: next(weights[n] for n in group if n in weights) for name in group})
+        set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+    else:
+        load_model(module, str(path))
     return path
 
 
@@ -187,9 +207,8 @@ def _check_weights(path: Path, module: torch.nn.Module) -> None:
     problems = [f"unexpected {k}" for k in shapes if k not in expected]
     problems += [f"{k} {list(shapes[k])} vs model {list(expected[k].shape)}" for k in shapes
                  if k in expected and shapes[k] != tuple(expected[k].shape)]
-    stored_storage = {expected[k].data_ptr() for k in shapes if k in expected}  # tied weights are stored once
-    problems += [f"missing {k}" for k, t in expected.items() if k not in shapes
-                 and t.data_ptr() not in stored_storage]
+    stored = set(shapes) | {name for group in tied_weights(module) if set(group) & set(shapes) for name in group}
+    problems += [f"missing {k}" for k in expected if k not in stored]  # tied weights are stored once
     if problems:
         raise CheckpointError(f"{path} does not fit this model: {'; '.join(problems[:4])}"
                               + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""))

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 from config import ConfigError, TrainConfig
 from job import check_world_size, exit_with_error, init_process_group, load_config_or_exit, run_or_exit
 from main import train
+from model import transformer_blocks
 
 
 class TorchDDP:
@@ -40,7 +41,7 @@ class TorchDDP:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.is_main_process, self.is_local_main_process = self.process_index == 0, local_rank == 0
         self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        self.distributed = self.num_processes > 1
+        self.distributed = self.num_processes > 1 or (cfg.fsdp != "no" and "MASTER_ADDR" in os.environ)
         if self.distributed:
             init_process_group(cfg.dist_timeout_s)
             check_world_size(dist.get_world_size())
@@ -50,7 +51,13 @@ class TorchDDP:
         self._real_samples = None  # while a loader yields an eval set's padded last batch: its real samples
 
     def prepare(self, *objects):
+        names = {id(p): n for obj in objects if isinstance(obj, torch.nn.Module) for n, p in obj.named_parameters()}
         prepared = tuple(self._prepare(obj) for obj in objects)
+        if self.cfg.fsdp != "no":  # fully_shard replaced each parameter by a sharded one: the optimizer must step those
+            sharded = {n: p for obj in prepared if isinstance(obj, torch.nn.Module) for n, p in obj.named_parameters()}
+            for optimizer in (obj for obj in prepared if isinstance(obj, torch.optim.Optimizer)):
+                for group in optimizer.param_groups:
+                    group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         return prepared[0] if len(prepared) == 1 else prepared
 
     def _prepare(self, obj):
@@ -59,26 +66,51 @@ class TorchDDP:
         if not isinstance(obj, torch.nn.Module):
             return obj  # optimizers, LR schedulers: used as they are
         model = obj.to(self.device)
+        if self.cfg.fsdp != "no":
+            return self._shard(model)
         if self.mixed_precision == "bf16":
             model = Autocast(model, self.device.type)
         if self.distributed:  # broadcasts rank 0's weights, then all-reduces gradients in backward
             model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                        find_unused_parameters=self.cfg.find_unused_parameters)
+                        **self.cfg.ddp_options())
         return model
+
+    def _shard(self, model):
+        """FSDP2: every transformer block, then the root, sharded over a 1-D mesh (full) or, for hybrid, over the
+        processes of a node and replicated across nodes (a 2-D mesh). bf16: bf16 compute, fp32 gradient reduction."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not self.distributed:
+            raise ConfigError("fsdp needs a process group: launch with torchrun --nproc_per_node N (N >= 1)")
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
+        shape, names = (((self.num_processes // per_node, per_node), ("replicate", "shard"))
+                        if self.cfg.fsdp == "hybrid" else ((self.num_processes,), ("shard",)))
+        mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.mixed_precision == "bf16" else MixedPrecisionPolicy()
+        for block in transformer_blocks(model):  # one all-gather per block in forward and in backward
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
 
     @contextmanager
     def accumulate(self, model):
-        """no_sync() on all but the last micro-step: one gradient all-reduce per optimizer step."""
+        """No gradient all-reduce (or reduce-scatter) but on the last micro-step: one per optimizer step."""
         self._micro_step += 1
         self.sync_gradients = self._micro_step % self.cfg.grad_accum_steps == 0
-        with model.no_sync() if self.distributed and not self.sync_gradients else nullcontext():
+        if self.cfg.fsdp != "no":  # FSDP2 has no no_sync(): it is told whether to reduce-scatter the gradients
+            model.set_requires_gradient_sync(self.sync_gradients)
             yield
+        else:
+            with model.no_sync() if self.distributed and not self.sync_gradients else nullcontext():
+                yield
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.cfg.grad_accum_steps).backward()  # the step's gradient is the micro-steps' mean
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor, the same on all ranks
 
     def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
         if not self.distributed:
