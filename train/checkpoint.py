@@ -256,10 +256,13 @@ def prune_checkpoints(output_dir: str, keep_last: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)  # called right after a commit: no save is in flight
 
 
-def save_safetensors(weights, path: Path) -> None:
+def save_safetensors(weights, path: Path, metadata: dict | None = None) -> None:
     """A module's weights (or a state dict) as safetensors, with the mode any other file gets here (umask): safetensors
     creates its files 0600, which teammates on a shared filesystem could not read."""
-    save_model(weights, str(path)) if isinstance(weights, torch.nn.Module) else save_file(weights, str(path))
+    if isinstance(weights, torch.nn.Module):
+        save_model(weights, str(path))
+    else:
+        save_file(weights, str(path), metadata=metadata or None)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
@@ -289,18 +292,19 @@ def export_model(plumbing, model, output_dir: str) -> Path:
     model is gathered whole first, in the main process's CPU memory: the file is the same as an unsharded run's."""
     path = Path(output_dir) / "model.safetensors"
     tmp = path.with_name(path.name + ".tmp")
-    weights = plumbing.unwrap_model(model, keep_torch_compile=False)
+    weights, metadata = plumbing.unwrap_model(model, keep_torch_compile=False), None
     if is_sharded(weights):
-        weights = full_weights(weights)
+        weights, metadata = full_weights(weights)
     collectively(plumbing, f"exporting {path}", lambda: plumbing.is_main_process and (
-        save_safetensors(weights, tmp), os.replace(tmp, path)))
+        save_safetensors(weights, tmp, metadata), os.replace(tmp, path)))
     return path
 
 
-def full_weights(module) -> dict:
-    """A sharded model's whole state dict on the main process ({} elsewhere; collective), one name per tied weight."""
+def full_weights(module) -> tuple[dict, dict]:
+    """A sharded model's whole state dict on the main process ({} elsewhere; collective), and the tied names left
+    out, as save_model leaves them out (it keeps the first in sorted order and notes {dropped: kept})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    aliases = {name for group in tied_weights(module) for name in sorted(group)[1:]}  # save_model keeps the first
-    return {name: tensor for name, tensor in state.items() if name not in aliases}
+    dropped = {name: sorted(group)[0] for group in tied_weights(module) for name in sorted(group)[1:]}
+    return {name: tensor for name, tensor in state.items() if name not in dropped}, dropped

@@ -1,0 +1,177 @@
+"""FSDP2 on the torch path and sharded checkpoints, in one process (a gloo group of 1, a 1-process mesh): how the
+model is sharded, that sharded parts round-trip bitwise through the commit protocol, the export, and the
+one-line refusals. Several processes, HSDP and resharding: tests/e2e/test_fsdp.py. Also: the DDP knobs."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_model
+
+import checkpoint
+import resume as resuming
+from checkpoint import CheckpointError, TrainState
+from config import ConfigError, TrainConfig
+from conftest import free_port
+from model import build_model
+from optim import build_optimizer
+from torch_ddp import TorchDDP
+
+IDENTITY = {"seed": 1337}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The environment torchrun gives one process; the process group is torn down after the test."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for key, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1).items():
+        monkeypatch.setenv(key, str(value))
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def cfg_for(tmp_path, **kw):
+    return TrainConfig(**{"output_dir": str(tmp_path / "run"), "n_layer": 2, "n_head": 2, "n_embd": 16,
+                          "block_size": 8, **kw})
+
+
+def train_a_step(model, optimizer, seed=0):
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, 256, (2, 8))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def full(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def snapshot(model, optimizer):
+    """Weights and every optimizer state tensor, unsharded, as plain copies."""
+    weights = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
+    state = [{k: full(v).clone() for k, v in s.items()} for s in optimizer.state.values()]
+    return weights, state
+
+
+def sharded_job(tmp_path, **kw):
+    cfg = cfg_for(tmp_path, fsdp="full", **kw)
+    plumbing = TorchDDP(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    model, optimizer = plumbing.prepare(model, build_optimizer(model, cfg))
+    return cfg, plumbing, model, optimizer
+
+
+def test_fsdp_shards_every_block_and_the_root_and_points_the_optimizer_at_the_shards(tmp_path, launched):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    cfg = cfg_for(tmp_path, fsdp="full")
+    plumbing = TorchDDP(cfg)
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg)
+    model, optimizer = plumbing.prepare(model, optimizer)
+    assert isinstance(model, FSDPModule) and all(isinstance(block, FSDPModule) for block in model.blocks)
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert stepped == {id(p) for p in model.parameters()}  # the sharded parameters, not the ones built
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    before = {k: full(v).clone() for k, v in model.state_dict().items()}
+    train_a_step(model, optimizer)
+    assert not torch.equal(before["blocks.0.mlp.fc.weight"], full(model.state_dict()["blocks.0.mlp.fc.weight"]))
+
+
+def test_a_sharded_checkpoint_round_trips_bitwise_inside_the_commit_protocol(tmp_path, launched):
+    cfg, plumbing, model, optimizer = sharded_job(tmp_path)
+    train_a_step(model, optimizer)
+    state = TrainState()
+    parts = checkpoint.checkpoint_parts(plumbing, model=model, optimizer=optimizer, train_state=state)
+    assert parts["model"].sharded and parts["optimizer"].sharded
+    state.step = 1
+    folder = checkpoint.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
+    saved = snapshot(model, optimizer)
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    for part in ("model", "optimizer"):  # each a torch.distributed.checkpoint folder, every file checksummed
+        assert {f"{part}/.metadata", f"{part}/__0_0.distcp"} <= set(files)
+    train_a_step(model, optimizer, seed=1)  # move away from the saved state, then come back
+    assert resuming.checkpoint_problem(folder) is None
+    resuming.load_checkpoint(plumbing, cfg, folder, parts, IDENTITY)
+    weights, optimizer_state = snapshot(model, optimizer)
+    assert all(torch.equal(weights[k], saved[0][k]) for k in weights)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(optimizer_state, saved[1], strict=True) for k in a)
+    shard = folder / "model" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-8] + b"altered!")
+    assert "model/__0_0.distcp does not match its checksum" in resuming.checkpoint_problem(folder)
+
+
+def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_path, launched):
+    cfg, plumbing, model, optimizer = sharded_job(tmp_path)
+    parts = checkpoint.checkpoint_parts(plumbing, model=model, optimizer=optimizer, train_state=TrainState())
+    sharded = checkpoint.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
+    unsharded_cfg = cfg_for(tmp_path / "b")
+    plain = TorchDDP(unsharded_cfg)
+    plain_model = build_model(unsharded_cfg)
+    plain_parts = checkpoint.checkpoint_parts(plain, model=plain_model, optimizer=build_optimizer(plain_model, cfg),
+                                              train_state=TrainState())
+    with pytest.raises(CheckpointError, match="holds model sharded and this run's is unsharded") as refused:
+        resuming.load_checkpoint(plain, unsharded_cfg, sharded, plain_parts, IDENTITY)
+    assert "\n" not in str(refused.value)
+    unsharded = checkpoint.save_checkpoint(plain, unsharded_cfg, plain_parts, 1, IDENTITY)
+    with pytest.raises(CheckpointError, match="holds model unsharded and this run's is sharded"):
+        resuming.load_checkpoint(plumbing, cfg, unsharded, parts, IDENTITY)
+
+
+def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_reads_it_back(tmp_path, launched):
+    cfg, plumbing, model, optimizer = sharded_job(tmp_path)
+    train_a_step(model, optimizer)
+    (tmp_path / "run").mkdir()
+    path = checkpoint.export_model(plumbing, model, cfg.output_dir)
+    plain = build_model(cfg)  # no process group needed to use it
+    load_model(plain, str(path))  # strict: every weight there, tied ones once, as an unsharded run writes it
+    trained = {k: full(v) for k, v in model.state_dict().items()}
+    assert all(torch.equal(v, trained[k]) for k, v in plain.state_dict().items())
+    unsharded = tmp_path / "unsharded.safetensors"
+    checkpoint.save_safetensors(plain, unsharded)
+    assert path.read_bytes() == unsharded.read_bytes()
+    fresh = plumbing.prepare(build_model(cfg))
+    resuming.init_weights(plumbing, fresh, str(path))
+    assert all(torch.equal(full(v), trained[k]) for k, v in fresh.state_dict().items())
+
+
+def test_fsdp_without_a_launcher_and_on_main_py_are_one_line_errors(tmp_path, monkeypatch):
+    import main
+
+    plumbing = TorchDDP(cfg_for(tmp_path, fsdp="full"))  # no MASTER_ADDR: no process group to shard over
+    with pytest.raises(ConfigError, match="fsdp needs a process group: launch with torchrun"):
+        plumbing.prepare(build_model(plumbing.cfg))
+    with pytest.raises(ConfigError, match="fsdp is torch_ddp.py's switch; main.py shards as its accelerate config"):
+        main.build_accelerator(cfg_for(tmp_path, fsdp="hybrid"))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="set fsdp_version: 2"):
+        main.build_accelerator(cfg_for(tmp_path))
+
+
+KNOBS = dict(static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=7, broadcast_buffers=False)
+
+
+def test_the_ddp_knobs_reach_accelerates_ddp(tmp_path):
+    import main
+
+    accelerator = main.build_accelerator(cfg_for(tmp_path, **KNOBS))
+    assert {k: v for k, v in accelerator.ddp_handler.to_kwargs().items() if k in KNOBS} == KNOBS
+
+
+def test_the_ddp_knobs_reach_ddp_on_the_torch_path(tmp_path, launched):
+    from job import init_process_group
+
+    cfg = cfg_for(tmp_path, **KNOBS)
+    init_process_group(60)
+    plumbing = TorchDDP(cfg)
+    plumbing.distributed = True  # a group of 1 is still DDP
+    ddp = plumbing.prepare(build_model(cfg))
+    assert (ddp.static_graph, ddp.gradient_as_bucket_view, ddp.broadcast_buffers) == (True, True, False)
+    assert ddp.bucket_bytes_cap == 7 * 1024 * 1024
