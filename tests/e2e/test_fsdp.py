@@ -10,14 +10,18 @@ from test_two_node import STEPS, run_two_nodes, torchrun_node, two_node_args
 
 from conftest import (
     FAULTY_MAIN,
+    REPO,
     assert_matches_baseline,
     baseline_args,
     launch_torchrun,
     load_weights,
+    run_python,
     tiny_args,
 )
 
 pytestmark = pytest.mark.slow
+
+CONSOLIDATE = REPO / "scripts" / "consolidate.py"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +45,13 @@ def test_fsdp_trains_like_ddp_and_writes_sharded_checkpoints_and_one_whole_model
     sharded, replicated = (load_weights(run.output_dir / "model.safetensors") for run in (fsdp_run, baseline))
     assert sharded.keys() == replicated.keys()  # the export is the whole model, tied weights once, as DDP writes it
     assert all((sharded[k] - replicated[k]).abs().max() < 1e-4 for k in sharded)
+
+
+def test_one_command_turns_a_sharded_checkpoint_into_the_exported_file(tmp_path, fsdp_run):
+    """scripts/consolidate.py, one process, no process group: step 24's shards are the export, byte for byte."""
+    out = tmp_path / "model.safetensors"
+    run_python([fsdp_run.output_dir / "checkpoints" / "step_00000024", out], tmp_path, script=CONSOLIDATE).check()
+    assert out.read_bytes() == (fsdp_run.output_dir / "model.safetensors").read_bytes()
 
 
 def test_fsdp_resumes_bitwise_after_sigterm_and_after_kill_9(tmp_path, corpus, fsdp_run):

@@ -1,0 +1,49 @@
+"""Turn a sharded (FSDP/HSDP) checkpoint's weights into one model.safetensors, on any machine, in one process:
+
+    python scripts/consolidate.py runs/run_001/checkpoints/step_00001000 model_step_1000.safetensors
+
+The file is the one an unsharded run exports (the same bytes for the same weights): load it with build_model and
+safetensors' load_model, sample from it, or start a new run from it with --init_from. The model is rebuilt from
+the checkpoint's own config.yaml, so shapes are checked as the shards are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+
+from checkpoint import save_safetensors  # noqa: E402
+from config import TrainConfig  # noqa: E402
+from model import build_model  # noqa: E402
+
+
+def consolidate(checkpoint: Path, out: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if not (checkpoint / "model" / ".metadata").is_file():
+        sys.exit(f"error: {checkpoint} holds no sharded model (model/.metadata); an unsharded checkpoint's "
+                 f"model.safetensors is already one file")
+    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
+    known = {f.name for f in fields(TrainConfig)}
+    model = build_model(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
+    state = {"model": model.state_dict()}  # the keys the shards were saved under; read into the model in place
+    with warnings.catch_warnings():  # "no process group: loading in a single process", which is the point
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=checkpoint / "model")
+    save_safetensors(model, out)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoints/step_N) of a sharded run")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    args = parser.parse_args()
+    consolidate(args.checkpoint, args.out)
+    print(f"model: {args.out}")
