@@ -36,13 +36,14 @@ def test_peak_table(name, flops):
     assert peak_flops_per_gpu(name) == flops
 
 
-def test_no_mfu_or_gpu_memory_on_cpu():
+def test_no_mfu_or_gpu_memory_on_cpu_but_the_peak_resident_memory():
     meter = Throughput(samples_per_step=8, tokens_per_step=512, flops_per_token=1e6, num_processes=2,
                        mixed_precision="bf16")
     meter.step()
     report = meter.report()
     assert report["tokens_per_s"] > 0 and report["samples_per_s"] > 0 and report["step_time_s"] > 0
     assert "mfu" not in report and "peak_mem_gib" not in report
+    assert 0.05 < report["peak_rss_gib"] < 24  # this test process: torch alone is a few hundred MiB
 
 
 def test_logger_is_a_no_op_off_the_main_process(tmp_path, monkeypatch):

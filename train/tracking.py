@@ -12,6 +12,7 @@ import importlib.util
 import json
 import math
 import os
+import resource
 import secrets
 import time
 from dataclasses import asdict
@@ -170,7 +171,7 @@ def finish_trackers(plumbing) -> None:
 
 
 class Throughput:
-    """Tokens/s, samples/s, step time, and (on GPUs) MFU and peak memory, since the last report or restart."""
+    """Tokens/s, samples/s, step time, peak memory, and (on GPUs) MFU, since the last report or restart."""
 
     def __init__(self, samples_per_step: int, tokens_per_step: int, flops_per_token: float, num_processes: int,
                  mixed_precision: str):
@@ -195,8 +196,10 @@ class Throughput:
                  "step_time_s": elapsed / max(self.steps, 1)}
         if self.peak_flops:
             rates["mfu"] = rates["tokens_per_s"] * self.flops_per_token / self.peak_flops
-        if self.on_gpu:
+        if self.on_gpu:  # this process's (rank 0's, in metrics.jsonl): what DDP replicates and FSDP shards
             rates["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        else:  # the process's peak resident memory, libraries included (Linux reports KiB)
+            rates["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         self.restart()
         return rates
 
