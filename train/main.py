@@ -4,6 +4,7 @@
     accelerate launch --config_file accelerate_configs/cpu.yaml train/main.py     # 2 CPU processes
     accelerate launch --config_file accelerate_configs/8gpu.yaml train/main.py --config train/configs/gpt2_small.yaml
     accelerate launch --config_file accelerate_configs/2node.yaml --machine_rank 0 ... train/main.py   # each node
+    accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train/main.py ...   # FSDP2 (2node_hsdp: HSDP)
     ... train/main.py --resume latest                                     # continue where the last run stopped
 
 Flags are the keys of config.TrainConfig (`--help` lists them). The same loop runs without

@@ -5,6 +5,7 @@
     torchrun --nnodes 2 --nproc_per_node 8 --node_rank 0 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
         train/torch_ddp.py ...                                                    # on each node
     python train/torch_ddp.py --spawn 2 ...          # mp.spawn, for people who launch from Python
+    torchrun ... train/torch_ddp.py --fsdp full      # FSDP2 (--fsdp hybrid: HSDP, sharded per node)
 
 It runs `train()` from main.py (one loop, two plumbings) with the same config, data, model, optimizer, schedule,
 checkpoints and metrics.jsonl, and splits each global batch across ranks as Accelerate does: with one config the
