@@ -1,12 +1,13 @@
 """The default model: shapes, loss at init, and that it can learn."""
 
+import copy
 import math
 
 import pytest
 import torch
 
-from config import TrainConfig
-from model import VOCAB_SIZE, build_model, causal_lm_loss
+from config import ConfigError, TrainConfig
+from model import VOCAB_SIZE, build_model, causal_lm_loss, checkpoint_activations
 
 pytestmark = pytest.mark.shipped  # the shipped GPT: a fork that swaps the model adapts or deletes these
 
@@ -61,3 +62,24 @@ def test_weights_are_tied_and_stay_tied_through_safetensors(tmp_path):
     loaded = build_model(tiny_cfg())
     load_model(loaded, str(tmp_path / "m.safetensors"))
     assert loaded.lm_head.weight is loaded.wte.weight and torch.equal(loaded.wte.weight, model.wte.weight)
+
+
+def test_activation_checkpointing_recomputes_the_same_loss_and_gradients_with_the_same_weight_names():
+    torch.manual_seed(0)
+    plain = build_model(tiny_cfg(dropout=0.1))
+    recomputed = copy.deepcopy(plain)
+    checkpoint_activations(recomputed)
+    ids = torch.randint(0, VOCAB_SIZE, (4, 16))
+    losses = []
+    for model in (plain, recomputed):
+        torch.manual_seed(1)  # the same dropout masks, replayed in the recomputation
+        losses.append(model(input_ids=ids, labels=ids).loss)
+        losses[-1].backward()
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), recomputed.parameters(), strict=True))
+    assert plain.state_dict().keys() == recomputed.state_dict().keys()  # checkpoints and exports unchanged
+
+
+def test_a_model_without_named_blocks_cannot_be_checkpointed_or_sharded_and_says_why():
+    with pytest.raises(ConfigError, match=r"Linear._no_split_modules must name its transformer block class"):
+        checkpoint_activations(torch.nn.Linear(2, 2))

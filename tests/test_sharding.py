@@ -14,7 +14,7 @@ import resume as resuming
 from checkpoint import CheckpointError, TrainState
 from config import ConfigError, TrainConfig
 from conftest import free_port
-from model import build_model
+from model import build_model, checkpoint_activations
 from optim import build_optimizer
 from torch_ddp import TorchDDP
 
@@ -66,13 +66,14 @@ def sharded_job(tmp_path, **kw):
     return cfg, plumbing, model, optimizer
 
 
-def test_fsdp_shards_every_block_and_the_root_and_points_the_optimizer_at_the_shards(tmp_path, launched):
+def test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing(tmp_path, launched):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     cfg = cfg_for(tmp_path, fsdp="full")
     plumbing = TorchDDP(cfg)
     model = build_model(cfg)
+    checkpoint_activations(model)  # as train() does with --activation_checkpointing true: it composes with FSDP
     optimizer = build_optimizer(model, cfg)
     model, optimizer = plumbing.prepare(model, optimizer)
     assert isinstance(model, FSDPModule) and all(isinstance(block, FSDPModule) for block in model.blocks)
@@ -175,3 +176,30 @@ def test_the_ddp_knobs_reach_ddp_on_the_torch_path(tmp_path, launched):
     ddp = plumbing.prepare(build_model(cfg))
     assert (ddp.static_graph, ddp.gradient_as_bucket_view, ddp.broadcast_buffers) == (True, True, False)
     assert ddp.bucket_bytes_cap == 7 * 1024 * 1024
+
+
+def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does(tmp_path, monkeypatch):
+    """accelerate's own FSDP2 policy for bf16 reduces in bf16; main.py hands it the torch path's policy. (The plugin
+    is built from what `accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml` sets.)"""
+    import accelerate
+
+    import main
+
+    for key, value in dict(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", ACCELERATE_MIXED_PRECISION="bf16",
+                           FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP").items():
+        monkeypatch.setenv(key, value)
+    built = {}
+
+    class Recorder:
+        num_processes = 1
+
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    main.build_accelerator(cfg_for(tmp_path))
+    policy = built["fsdp_plugin"].mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    main.build_accelerator(cfg_for(tmp_path))
+    assert built["fsdp_plugin"] is None  # fp32 throughout: accelerate's own plugin

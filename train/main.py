@@ -46,15 +46,21 @@ def build_accelerator(cfg: TrainConfig):
     from accelerate.utils import (
         DataLoaderConfiguration,
         DistributedDataParallelKwargs,
+        FullyShardedDataParallelPlugin,
         GradientAccumulationPlugin,
     )
 
     if cfg.fsdp != "no":
         raise ConfigError("fsdp is torch_ddp.py's switch; main.py shards as its accelerate config says "
                           "(accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train/main.py)")
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and os.environ.get("FSDP_VERSION", "1") != "2":
+    fsdp, fsdp_plugin = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true", None
+    if fsdp and os.environ.get("FSDP_VERSION", "1") != "2":
         raise ConfigError("accelerate config: set fsdp_version: 2 (FSDP1's state dicts are not the sharded "
                           "checkpoint parts this template saves)")
+    if fsdp and (cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16":
+        # accelerate's FSDP2 would reduce gradients in bf16 too: in fp32, as the torch path does (and torchtitan)
+        fsdp_plugin = FullyShardedDataParallelPlugin(mixed_precision_policy=dict(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_process_group(cfg.dist_timeout_s)  # restart-safe (job.py); the Accelerator adopts it
 
@@ -71,6 +77,7 @@ def build_accelerator(cfg: TrainConfig):
         # batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with it)
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
         kwargs_handlers=[DistributedDataParallelKwargs(**cfg.ddp_options())],
+        fsdp_plugin=fsdp_plugin,  # None: accelerate's own, from the accelerate config (or no FSDP)
         log_with=cfg.trackers() or None,  # started later, by MetricsLogger, on the main process only
         project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
     )
@@ -142,6 +149,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
                 step_loss += loss.detach() / cfg.grad_accum_steps
                 if accelerator.sync_gradients:  # the last micro-step: clip, set this step's LR, update
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+                    grad_norm = full_tensor(grad_norm)  # FSDP: a DTensor; the same value on every rank
                     bad_grad_steps += ~torch.isfinite(grad_norm)
                     lr = set_lr(optimizer, lr_at(state.step, cfg))
                     optimizer.step()
@@ -209,6 +217,10 @@ def check_loss_contract(model, eval_set, device) -> None:
         raise ConfigError(f"model: its .loss ({got}) is not the next-token cross-entropy of its .logits "
                           f"({expected.item():.4f}) that evaluation reports: shift the labels by one in the "
                           f"model's loss (model.causal_lm_loss does), or change evaluate() in main.py to match")
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def seed_everything(seed: int) -> None:

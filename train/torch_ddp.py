@@ -110,8 +110,7 @@ class TorchDDP:
         (loss / self.cfg.grad_accum_steps).backward()  # the step's gradient is the micro-steps' mean
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor, the same on all ranks
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # FSDP: a DTensor, as accelerate returns it
 
     def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
         if not self.distributed:
