@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from dataclasses import fields
 from pathlib import Path
-
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from checkpoint import save_safetensors  # noqa: E402
-from config import TrainConfig  # noqa: E402
+from config import saved_config  # noqa: E402
 from model import build_model  # noqa: E402
 
 
@@ -30,9 +27,9 @@ def consolidate(checkpoint: Path, out: Path) -> None:
     if not (checkpoint / "model" / ".metadata").is_file():
         sys.exit(f"error: {checkpoint} holds no sharded model (model/.metadata); an unsharded checkpoint's "
                  f"model.safetensors is already one file")
-    saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
-    known = {f.name for f in fields(TrainConfig)}
-    model = build_model(TrainConfig(**{k: v for k, v in saved.items() if k in known}))
+    cfg = saved_config(checkpoint / "config.yaml")
+    cfg.model_weights = "config"  # a Hugging Face model: its architecture; the shards hold the weights
+    model = build_model(cfg)
     state = {"model": model.state_dict()}  # the keys the shards were saved under; read into the model in place
     with warnings.catch_warnings():  # "no process group: loading in a single process", which is the point
         warnings.simplefilter("ignore")

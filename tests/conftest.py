@@ -183,3 +183,38 @@ def four_processes(tmp_path_factory, corpus) -> Run:
 
 def baseline_args(output_dir: Path, corpus: Path, **overrides) -> list[str]:
     return tiny_args(output_dir, corpus, dropout=0.1, grad_accum_steps=2, **overrides)
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory, corpus) -> Path:
+    """A byte-level BPE tokenizer of 320 tokens (more than a byte holds), trained offline on the test corpus with
+    the `tokenizers` library and saved as a Hugging Face tokenizer folder; its EOS is <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path_factory.mktemp("bpe")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0) -> Path:
+    """A 2-layer Llama-style causal LM made from a config (41 k parameters), saved as a Hugging Face model folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, bpe_tokenizer) -> Path:
+    from transformers import AutoTokenizer
+
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), len(AutoTokenizer.from_pretrained(bpe_tokenizer)))

@@ -263,6 +263,10 @@ def save_safetensors(weights, path: Path, metadata: dict | None = None) -> None:
         save_model(weights, str(path))
     else:
         save_file(weights, str(path), metadata=metadata or None)
+    _umask_mode(path)
+
+
+def _umask_mode(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
@@ -289,14 +293,25 @@ def file_digest(path: Path) -> str:
 
 def export_model(plumbing, model, output_dir: str) -> Path:
     """The trained weights as <output_dir>/model.safetensors, written by the main process (collective). A sharded
-    model is gathered whole first, in the main process's CPU memory: the file is the same as an unsharded run's."""
+    model is gathered whole first, in the main process's CPU memory: the file is the same as an unsharded run's.
+    A Hugging Face model is saved in its own layout too (config.json beside it): from_pretrained(output_dir)."""
     path = Path(output_dir) / "model.safetensors"
     tmp = path.with_name(path.name + ".tmp")
-    weights, metadata = plumbing.unwrap_model(model, keep_torch_compile=False), None
-    if is_sharded(weights):
-        weights, metadata = full_weights(weights)
-    collectively(plumbing, f"exporting {path}", lambda: plumbing.is_main_process and (
-        save_safetensors(weights, tmp, metadata), os.replace(tmp, path)))
+    module = plumbing.unwrap_model(model, keep_torch_compile=False)
+    weights, metadata = full_weights(module) if is_sharded(module) else (module, None)
+
+    def write():
+        if not hasattr(module, "save_pretrained"):
+            save_safetensors(weights, tmp, metadata)
+            return os.replace(tmp, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        module.save_pretrained(tmp, state_dict=None if weights is module else weights)
+        for file in sorted(tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"):  # the weights last
+            _umask_mode(file)
+            os.replace(file, path.parent / file.name)
+        tmp.rmdir()
+
+    collectively(plumbing, f"exporting {path}", lambda: plumbing.is_main_process and write())
     return path
 
 

@@ -62,6 +62,9 @@ class TrainConfig:
     block_size: int = 128  # tokens (bytes) per training sample
     num_workers: int = 0  # DataLoader worker processes per rank; 0 loads in the training process
     # ---- model
+    model: str = "gpt"  # gpt (the built-in, sized below) or a Hugging Face causal LM: hub name or local folder
+    model_weights: str = "pretrained"  # Hugging Face models: pretrained (fine-tune) | config (fresh weights: pretrain)
+    tokenizer: str = ""  # "" = the model's own (gpt: bytes); bytes; or a Hugging Face tokenizer: hub name or folder
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads; must divide n_embd
     n_embd: int = 128  # width of the residual stream
@@ -103,6 +106,10 @@ class TrainConfig:
     @property
     def run_label(self) -> str:
         return self.run_name or os.path.basename(os.path.normpath(self.output_dir))
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer or ("bytes" if self.model == "gpt" else self.model)
 
     @property
     def decay_steps(self) -> int:
@@ -153,6 +160,10 @@ class TrainConfig:
             _require("init_from", os.path.exists(self.init_from), "is not an existing checkpoint, run folder or "
                      ".safetensors file", self.init_from)
         _check_dataset(self.dataset)
+        _require("model_weights", self.model_weights in ("pretrained", "config"), "must be pretrained or config",
+                 self.model_weights)
+        if self.model != "gpt" or self.tokenizer_name != "bytes":
+            _check_model_and_tokenizer(self)
 
 
 def _require(key: str, ok: bool, problem: str, value) -> None:
@@ -172,6 +183,33 @@ def _check_dataset(dataset: str) -> None:
     hint = f" (there is a local folder '{first_part}/': a typo in the path?)" if os.path.isdir(first_part) else ""
     _require("dataset", not looks_like_path, f"is not an existing file or folder{hint}", dataset)
     _require("dataset", dataset != "", "must not be empty", dataset)
+
+
+def _check_model_and_tokenizer(cfg: TrainConfig) -> None:
+    """Resolve a Hugging Face model's config and tokenizer now (small files, or the local cache offline): a wrong
+    name, or a tokenizer the model cannot embed, is one line before any process group or download of weights."""
+    from data import BYTE_VOCAB_SIZE, load_tokenizer  # transformers, imported only for these
+
+    model_config = None
+    if cfg.model != "gpt":
+        from transformers import AutoConfig
+
+        try:
+            model_config = AutoConfig.from_pretrained(cfg.model)
+        except Exception as e:  # offline, a wrong name or folder, no access
+            raise ConfigError(f"model '{cfg.model}' could not be loaded: {first_line(e)}") from None
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer_name)
+    except ConfigError as e:
+        default = "" if cfg.tokenizer else " (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)"
+        raise ConfigError(f"{e}{default}") from None
+    if model_config is not None:
+        tokens, embedded = BYTE_VOCAB_SIZE if tokenizer is None else len(tokenizer), model_config.vocab_size
+        _require("tokenizer", tokens <= embedded, f"has {tokens} tokens, more than the {embedded} that model "
+                 f"'{cfg.model}' embeds", cfg.tokenizer_name)
+        positions = getattr(model_config, "max_position_embeddings", None) or cfg.block_size
+        _require("block_size", cfg.block_size <= positions, f"must be <= the model's {positions} positions",
+                 cfg.block_size)
 
 
 # ---------------------------------------------------------------- loading
@@ -196,6 +234,14 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
         setattr(cfg, key, _coerce(key, raw, types[key]))
     cfg.validate()
     return cfg
+
+
+def saved_config(path) -> TrainConfig:
+    """The config a run saved (its config.yaml), unchecked: its data need not exist where the weights are used.
+    Keys this version does not know are left out."""
+    values = _read_yaml(str(path))
+    known = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{key: value for key, value in values.items() if key in known})
 
 
 def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:

@@ -1,4 +1,4 @@
-"""Data: text in through Hugging Face `datasets`, packed into fixed-length byte blocks.
+"""Data: text in through Hugging Face `datasets`, tokenized (bytes, or a Hugging Face tokenizer), packed into blocks.
 
 FORK POINT 2: to train on your own data, replace the body of `build_datasets` (and `tokenize`). The loop needs
 two map-style datasets whose items `collate` turns into the model's keyword arguments (`input_ids`, `labels`).
@@ -14,6 +14,7 @@ The plumbing's `prepare` shards them across processes: nothing in this file look
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import sysconfig
@@ -26,33 +27,66 @@ from torch.utils.data import Sampler
 from config import DATA_FILE_SUFFIXES, ConfigError, first_line
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the repo's data/ folder
+BYTE_VOCAB_SIZE = 256  # the default "tokenizer": every UTF-8 byte is a token, nothing to download
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 # >>> FORK POINT 2: build_datasets, tokenize
 def build_datasets(cfg):
-    """(train, eval) map-style datasets of packed `block_size`-byte blocks."""
+    """(train, eval) map-style datasets of packed `block_size`-token blocks."""
     splits = load_text(cfg)
     train_text, eval_text = _train_eval_split(splits, cfg.eval_fraction)
-    pack = functools.partial(tokenize, block_size=cfg.block_size, text_column=cfg.text_column)
+    pack = functools.partial(tokenize, block_size=cfg.block_size, text_column=cfg.text_column,
+                             tokenizer=load_tokenizer(cfg.tokenizer_name))
     train, evaluation = (
-        text.map(pack, batched=True, remove_columns=text.column_names, desc=f"packing {name} bytes")
+        text.map(pack, batched=True, remove_columns=text.column_names, desc=f"tokenizing {name} text")
         for name, text in (("train", train_text), ("eval", eval_text))
     )
     for name, ds in (("train", train), ("eval", evaluation)):
         if len(ds) == 0:
             raise ConfigError(f"dataset '{cfg.dataset}' gives no {name} block of block_size "
-                              f"{cfg.block_size} bytes: too little text")
+                              f"{cfg.block_size} tokens: too little text")
     return train.with_format("torch"), evaluation.with_format("torch")
 
 
-def tokenize(batch: dict, block_size: int, text_column: str) -> dict:
-    """Bytes of the documents, one newline between them, cut into blocks (the tail is dropped)."""
-    stream = b"".join(str(text).encode("utf-8") + b"\n" for text in batch[text_column] if text)
+def tokenize(batch: dict, block_size: int, text_column: str, tokenizer=None) -> dict:
+    """The documents' tokens, each document ended by the tokenizer's EOS (bytes: a newline), cut into blocks (the
+    tail is dropped) and stored in the narrowest unsigned type that holds the vocabulary (bytes: 1 per token)."""
+    texts = [str(text) for text in batch[text_column] if text]
+    if tokenizer is None:
+        stream = np.frombuffer(b"".join(text.encode("utf-8") + b"\n" for text in texts), dtype=np.uint8)
+    else:
+        documents = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        stream = np.fromiter(itertools.chain.from_iterable(ids + [tokenizer.eos_token_id] for ids in documents),
+                             dtype=token_dtype(len(tokenizer)))
     n_blocks = len(stream) // block_size
-    blocks = np.frombuffer(stream, dtype=np.uint8, count=n_blocks * block_size)
-    return {"input_ids": blocks.reshape(n_blocks, block_size)}  # uint8 on disk: 1 byte per token
+    return {"input_ids": stream[:n_blocks * block_size].reshape(n_blocks, block_size)}
 # <<< FORK POINT 2
+
+
+def token_dtype(vocab_size: int):
+    return next(dtype for dtype in (np.uint8, np.uint16, np.uint32) if vocab_size <= np.iinfo(dtype).max + 1)
+
+
+@functools.cache
+def load_tokenizer(name: str):
+    """None for "bytes" (every UTF-8 byte a token), else a Hugging Face tokenizer by hub name or local folder."""
+    if name == "bytes":
+        return None
+    from transformers import AutoTokenizer  # imported only when used
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # offline, a wrong name or folder: all the same to the user
+        raise ConfigError(f"tokenizer '{name}' could not be loaded: {first_line(e)}") from None
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer '{name}' has no EOS token to end documents with: set its eos_token")
+    return tokenizer
+
+
+def vocab_size(cfg) -> int:
+    tokenizer = load_tokenizer(cfg.tokenizer_name)
+    return BYTE_VOCAB_SIZE if tokenizer is None else len(tokenizer)
 
 
 def data_identity(cfg, train_set) -> dict:

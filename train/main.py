@@ -28,7 +28,7 @@ from checkpoint import TrainState, checkpoint_parts, export_model, latest_checkp
 from config import ConfigError, RunError, TrainConfig
 from data import EpochSampler, TrainBatches, build_datasets, collate, data_identity
 from job import check_world_size, claim_run_folder, init_process_group, load_config_or_exit, run_or_exit, stop_signals
-from model import build_model, causal_lm_loss, checkpoint_activations
+from model import build_model, causal_lm_loss, checkpoint_activations, next_token_counts
 from optim import build_optimizer, lr_at, set_lr
 from plumbing import Plumbing
 from resume import resume_or_start
@@ -168,8 +168,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
             stopping = stop_signals.requested(accelerator)  # collective: every rank stops at the same step
         log.advance()
         if state.step % cfg.eval_every == 0 or is_last:
-            eval_loss = evaluate(model, eval_loader, accelerator)
-            log.log(state.step, {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50))})
+            log.log(state.step, evaluate(model, eval_loader, accelerator))
         if saving or stopping:
             path = save_checkpoint(accelerator, cfg, parts, state.step, identity)
             log.info(f"checkpoint: {path}")
@@ -191,16 +190,20 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
 
 
 @torch.no_grad()
-def evaluate(model, eval_loader, accelerator) -> float:
-    """Mean loss over exactly the eval set, computed on every rank (no rank-0-only collectives)."""
+def evaluate(model, eval_loader, accelerator) -> dict:
+    """Loss (per token), perplexity and next-token accuracy over exactly the eval set, computed on every rank."""
     model.eval()
-    losses = []
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, tokens, right guesses
     for batch in eval_loader:
-        per_sample = causal_lm_loss(model(**batch).logits, batch["labels"])
+        per_sample = next_token_counts(model(**batch).logits, batch["labels"])
         # the sampler pads the last batches so every rank has as many; gather_for_metrics drops the copies
-        losses.append(accelerator.gather_for_metrics(per_sample))
+        totals += accelerator.gather_for_metrics(per_sample).sum(0)
     model.train()
-    return torch.cat(losses).mean().item()
+    loss_sum, tokens, right = totals.tolist()
+    metrics = {"eval_loss": loss_sum / tokens, "eval_perplexity": math.exp(min(loss_sum / tokens, 50)),
+               "eval_accuracy": right / tokens}
+    # a task metric of your own goes here, computed from the same gathered per-sample values
+    return metrics
 
 
 @torch.no_grad()

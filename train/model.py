@@ -18,16 +18,27 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from config import ConfigError
-
-VOCAB_SIZE = 256  # byte-level: every UTF-8 byte is a token, so there is no tokenizer to download
+from data import vocab_size
 
 
 # >>> FORK POINT 1: build_model
 def build_model(cfg) -> nn.Module:
-    """The model to train, sized by the config."""
-    return GPT(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
+    """The model to train: the built-in GPT sized by the config, or a Hugging Face causal LM (--model)."""
+    if cfg.model != "gpt":
+        return hugging_face_model(cfg)
+    return GPT(vocab_size=vocab_size(cfg), block_size=cfg.block_size, n_layer=cfg.n_layer,
                n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
 # <<< FORK POINT 1
+
+
+def hugging_face_model(cfg) -> nn.Module:
+    """Its pretrained weights (fine-tuning), or its architecture with fresh weights (model_weights: config), in
+    fp32: mixed precision casts for compute, the optimizer steps fp32 master weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.model_weights == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model), dtype=torch.float32)
 
 
 @dataclass
@@ -134,6 +145,23 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                 ignore_index=-100, reduction="none").view_as(targets)
     counted = (targets != -100).sum(dim=1).clamp(min=1)
     return per_token.sum(dim=1) / counted
+
+
+@torch.no_grad()
+def next_token_counts(logits: torch.Tensor, labels: torch.Tensor, max_floats: int = 2**26) -> torch.Tensor:
+    """Per sample: (summed next-token loss, tokens counted, tokens predicted right), float64, shape (batch, 3); -100
+    is ignored. Upcasts at most `max_floats` logits to fp32 at once (256 MiB): at a 150k vocabulary, a batch's
+    fp32 logits would be gigabytes."""
+    predictions, targets = logits[:, :-1], labels[:, 1:]  # views: nothing is copied yet
+    counts = torch.zeros(labels.size(0), 3, dtype=torch.float64, device=logits.device)
+    step = max(1, max_floats // (logits.size(0) * logits.size(-1)))  # positions per chunk
+    for start in range(0, targets.size(1), step):
+        chunk, wanted = predictions[:, start:start + step].float(), targets[:, start:start + step]
+        losses = F.cross_entropy(chunk.transpose(1, 2), wanted, ignore_index=-100, reduction="none")
+        counted = wanted != -100
+        right = (chunk.argmax(-1) == wanted) & counted
+        counts += torch.stack([losses.double().sum(1), counted.sum(1), right.sum(1)], dim=1)
+    return counts
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

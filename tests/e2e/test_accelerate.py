@@ -53,8 +53,9 @@ def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
     model = build_model(cfg)
     load_model(model, str(out / "model.safetensors"))  # strict: every tensor (tied ones are stored once)
     loader = torch.utils.data.DataLoader(eval_set, batch_size=5, collate_fn=data.collate)
-    eval_loss = evaluate(model, loader, TorchDDP(cfg))
-    assert eval_loss == pytest.approx(eval_rows[-1]["eval_loss"], rel=1e-5)
+    metrics = evaluate(model, loader, TorchDDP(cfg))
+    assert metrics["eval_loss"] == pytest.approx(eval_rows[-1]["eval_loss"], rel=1e-5)
+    assert metrics["eval_accuracy"] == pytest.approx(eval_rows[-1]["eval_accuracy"], rel=1e-5)
 
 
 def test_each_rank_trains_on_its_own_shard(tmp_path, corpus):
@@ -128,7 +129,7 @@ def test_a_diverged_loss_stops_the_run_before_it_saves_broken_weights(tmp_path, 
 FORK_MODEL = '''
 def build_model(cfg) -> nn.Module:
     """A fork's own model: a bigram table (an MLP over the previous byte), HF-style outputs."""
-    return BigramLM(VOCAB_SIZE, cfg.n_embd)
+    return BigramLM(vocab_size(cfg), cfg.n_embd)
 
 
 class BigramLM(nn.Module):
