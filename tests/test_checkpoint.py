@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 import checkpoint
 import resume as resuming
 from checkpoint import CheckpointError, TrainState, latest_checkpoint
-from config import RunError, TrainConfig
+from config import ConfigError, RunError, TrainConfig
 from data import EpochSampler, TrainBatches
 from model import build_model
 from optim import build_optimizer
@@ -357,3 +357,10 @@ def test_a_checkpoint_from_before_state_parts_points_to_init_from(tmp_path):
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=f"written before checkpoints had state parts: .*--init_from {path}"):
         job.load(path)
+
+
+def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path):
+    Job(tmp_path).save(4)
+    with pytest.raises(ConfigError, match="already holds checkpoints; pass --resume latest to continue that run"):
+        Job(tmp_path).resume()  # resume: "" (a new run) into a folder that has one
+    assert Job(tmp_path, resume="latest").resume()[0].step == 4

@@ -176,6 +176,7 @@ def test_the_ddp_knobs_reach_ddp_on_the_torch_path(tmp_path, launched):
     ddp = plumbing.prepare(build_model(cfg))
     assert (ddp.static_graph, ddp.gradient_as_bucket_view, ddp.broadcast_buffers) == (True, True, False)
     assert ddp.bucket_bytes_cap == 7 * 1024 * 1024
+    assert TrainConfig().ddp_options() == {}  # left at DDP's defaults, nothing is passed (nor warned about)
 
 
 def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does(tmp_path, monkeypatch):

@@ -120,9 +120,11 @@ class TrainConfig:
         return self.warmup_steps if self.warmup_steps >= 0 else self.decay_steps // 10
 
     def ddp_options(self) -> dict:
-        """DistributedDataParallel's keyword arguments, the same on both plumbings."""
-        return {key: getattr(self, key) for key in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
-                                                    "bucket_cap_mb", "broadcast_buffers")}
+        """DistributedDataParallel's keyword arguments on both plumbings: those set away from their defaults (DDP's
+        own), as accelerate passes them (torch 2.13 warns that broadcast_buffers is deprecated whenever it is given)."""
+        keys = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
+                "broadcast_buffers")
+        return {key: getattr(self, key) for key in keys if getattr(self, key) != getattr(TrainConfig, key)}
 
     def trackers(self) -> list[str]:
         return [t for t in self.tracker.split(",") if t and t != "none"]

@@ -15,6 +15,7 @@ from conftest import (
     baseline_args,
     launch_torchrun,
     load_weights,
+    read_metrics,
     run_python,
     tiny_args,
 )
@@ -64,6 +65,9 @@ def test_fsdp_resumes_bitwise_after_sigterm_and_after_kill_9(tmp_path, corpus, f
                               env_extra={**faulty, "FAULT_STEP": 11, "FAULT_RANK": 1, "FAULT_ACTION": "sigterm"})
     assert "exitcode  : 75" in stopped.output, stopped.tail()
     assert json.loads((run_dir / "preempted.json").read_text())["step"] == 11
+    # rank 0 got no signal, yet stopped at the same step: it wrote its share of step 11's checkpoint, nothing after
+    assert (run_dir / "checkpoints" / "step_00000011" / "rng_rank0.pt").exists()
+    assert max(r["step"] for r in read_metrics(run_dir)) == 11
     killed = launch_torchrun([*args, "--resume", "latest"], tmp_path, script=FAULTY_MAIN,
                              env_extra={**faulty, "FAULT_ONCE": tmp_path / "once_kill", "FAULT_STEP": 6,
                                         "FAULT_RANK": 0, "FAULT_ACTION": "sigkill"})
