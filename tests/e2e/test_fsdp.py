@@ -2,6 +2,7 @@
 that resume bitwise after SIGTERM and kill -9, HSDP on two "nodes", and resharding a 4-process checkpoint onto 2.
 (Accelerate's FSDP plugin needs GPUs; its configs are checked in tests/test_launch_configs.py.)"""
 
+import importlib.util
 import json
 import shutil
 
@@ -16,13 +17,10 @@ from conftest import (
     launch_torchrun,
     load_weights,
     read_metrics,
-    run_python,
     tiny_args,
 )
 
 pytestmark = pytest.mark.slow
-
-CONSOLIDATE = REPO / "scripts" / "consolidate.py"
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +47,13 @@ def test_fsdp_trains_like_ddp_and_writes_sharded_checkpoints_and_one_whole_model
 
 
 def test_one_command_turns_a_sharded_checkpoint_into_the_exported_file(tmp_path, fsdp_run):
-    """scripts/consolidate.py, one process, no process group: step 24's shards are the export, byte for byte."""
+    """scripts/consolidate.py, here in this process (no process group): step 24's shards are the export, byte for
+    byte."""
+    spec = importlib.util.spec_from_file_location("consolidate", REPO / "scripts" / "consolidate.py")
+    consolidate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(consolidate)
     out = tmp_path / "model.safetensors"
-    run_python([fsdp_run.output_dir / "checkpoints" / "step_00000024", out], tmp_path, script=CONSOLIDATE).check()
+    consolidate.consolidate(fsdp_run.output_dir / "checkpoints" / "step_00000024", out)
     assert out.read_bytes() == (fsdp_run.output_dir / "model.safetensors").read_bytes()
 
 

@@ -33,18 +33,14 @@ def test_torchrun_and_accelerate_are_bitwise_identical(tmp_path, corpus):
     assert (tmp_path / "ddp" / "checkpoints" / "step_00000100" / "manifest.json").exists()
 
 
-def test_mp_spawn_from_python_is_the_same_run(tmp_path, corpus, baseline):
-    """`python train/torch_ddp.py --spawn 2` (no launcher): bitwise the baseline's run. (One plain process on the
-    torch path: test_resume.py's world-size test.)"""
-    spawned = run_python(["--spawn", 2, *baseline_args(tmp_path / "spawn", corpus)], tmp_path, script=TORCH_DDP)
-    assert spawned.check().losses() == baseline.losses()
-
-
-def test_an_accelerate_checkpoint_resumes_on_the_torch_path_exactly(tmp_path, corpus, baseline):
-    """One checkpoint format and one data split for both plumbings: the torch path continues the Accelerate
-    run's steps 17-24 bitwise (dropout masks included: every rank resumes its own RNG on its own samples)."""
+def test_an_accelerate_checkpoint_resumes_on_the_torch_path_exactly_under_mp_spawn(tmp_path, corpus, baseline):
+    """One checkpoint format and one data split for both plumbings: the torch path, started from Python with
+    `python train/torch_ddp.py --spawn 2` (no launcher), continues the Accelerate run's steps 17-24 bitwise (dropout
+    masks included: every rank resumes its own RNG on its own samples). (One plain process on the torch path:
+    test_resume.py's world-size test; torchrun: the bitwise test above.)"""
     checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
-    resumed = launch_torchrun([*baseline_args(tmp_path / "run", corpus), "--resume", checkpoint], tmp_path).check()
+    resumed = run_python(["--spawn", 2, *baseline_args(tmp_path / "run", corpus), "--resume", checkpoint], tmp_path,
+                         script=TORCH_DDP).check()
     assert "(step 16)" in resumed.output
     assert resumed.losses() == {s: v for s, v in baseline.losses().items() if s > 16}
     reference, replayed = (load_weights(d / "model.safetensors") for d in (baseline.output_dir, tmp_path / "run"))
