@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 from config import ConfigError, saved_config  # noqa: E402
 from data import load_tokenizer  # noqa: E402
 from model import build_model  # noqa: E402
-from resume import _check_weights  # noqa: E402
+from resume import check_weights  # noqa: E402
 
 
 def load_trained(folder: Path):
@@ -36,7 +36,7 @@ def load_trained(folder: Path):
     cfg = saved_config(folder / "config.yaml")
     cfg.model_weights = "config"  # the architecture only: the folder's weights replace the initial ones
     model = build_model(cfg)
-    _check_weights(weights, model)  # another shape: one line naming what differs
+    check_weights(weights, model)  # another shape: one line naming what differs
     load_model(model, str(weights))
     return cfg, model.eval(), load_tokenizer(cfg.tokenizer_name)
 

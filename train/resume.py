@@ -157,7 +157,7 @@ def _read_part(folder: Path, name: str, part, plumbing):
     if getattr(part, "sharded", False):
         return folder / name
     if isinstance(part, torch.nn.Module):
-        _check_weights(folder / f"{name}.safetensors", plumbing.unwrap_model(part, keep_torch_compile=False))
+        check_weights(folder / f"{name}.safetensors", plumbing.unwrap_model(part, keep_torch_compile=False))
         return folder / f"{name}.safetensors"
     json_file = folder / f"{name}.json"
     return _read(json_file if json_file.is_file() else folder / f"{name}.pt")  # loaded on the CPU
@@ -174,7 +174,7 @@ def init_weights(plumbing, model, source: str) -> Path:
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
     if not path.is_file():
         raise CheckpointError(f"init_from: {path} does not exist")
-    _check_weights(path, module)
+    check_weights(path, module)
     if is_sharded(module):  # every process reads the whole file and keeps its shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -196,7 +196,7 @@ def _check_same_step_everywhere(plumbing, step: int) -> None:
                               f"newest checkpoint: pass --resume with the same checkpoint folder on every node")
 
 
-def _check_weights(path: Path, module: torch.nn.Module) -> None:
+def check_weights(path: Path, module: torch.nn.Module) -> None:
     """Raise listing mismatched names/shapes, before load_state_dict copies any tensor."""
     expected = module.state_dict()
     try:
