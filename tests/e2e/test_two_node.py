@@ -61,7 +61,9 @@ def finish(procs, timeout=240):
         except subprocess.TimeoutExpired:
             for p in procs:
                 os.killpg(p.pid, signal.SIGKILL)
-            pytest.fail("a node did not finish in time")
+            tails = ["\n".join((p.communicate()[0] or "").splitlines()[-15:]) for p in procs]
+            pytest.fail("a node did not finish in time\n" + "\n".join(f"--- node {rank}:\n{tail}"
+                                                                      for rank, tail in enumerate(tails)))
         outputs.append(out)
     return outputs
 
