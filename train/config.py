@@ -61,6 +61,9 @@ class TrainConfig:
     eval_fraction: float = 0.05  # share of documents held out when the dataset has no validation split
     block_size: int = 128  # tokens (bytes) per training sample
     num_workers: int = 0  # DataLoader worker processes per rank; 0 loads in the training process
+    streaming: bool = False  # read the dataset as a stream (bigger than memory or disk), packed as it is read
+    shuffle_buffer: int = 1000  # streaming: blocks held per process to draw from at random
+    streaming_eval_blocks: int = 256  # streaming: the eval set is the first this many blocks of held-out text
     # ---- model
     model: str = "gpt"  # gpt (the built-in, sized below) or a Hugging Face causal LM: hub name or local folder
     model_weights: str = "pretrained"  # Hugging Face models: pretrained (fine-tune) | config (fresh weights: pretrain)
@@ -132,7 +135,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ConfigError on the first bad value, naming its key."""
         for key in ("max_steps", "batch_size", "grad_accum_steps", "block_size", "n_layer", "n_head",
-                    "n_embd", "log_every", "eval_every", "keep_last", "dist_timeout_s", "bucket_cap_mb"):
+                    "n_embd", "log_every", "eval_every", "keep_last", "dist_timeout_s", "bucket_cap_mb",
+                    "shuffle_buffer", "streaming_eval_blocks"):
             _require(key, getattr(self, key) > 0, "must be > 0", getattr(self, key))
         for key in ("weight_decay", "max_grad_norm", "save_every", "num_workers", "min_lr", "lr_decay_steps"):
             _require(key, getattr(self, key) >= 0, "must be >= 0", getattr(self, key))
@@ -164,8 +168,14 @@ class TrainConfig:
         _check_dataset(self.dataset)
         _require("model_weights", self.model_weights in ("pretrained", "config"), "must be pretrained or config",
                  self.model_weights)
+        _require("num_workers", not (self.streaming and self.num_workers), "must be 0 with streaming (the stream "
+                 "is read in the training process, where its position is saved)", self.num_workers)
         if self.model != "gpt" or self.tokenizer_name != "bytes":
             _check_model_and_tokenizer(self)
+        if self.streaming:  # opening a stream reads only its first rows: a wrong column is said now
+            from data import load_text
+
+            load_text(self)
 
 
 def _require(key: str, ok: bool, problem: str, value) -> None:

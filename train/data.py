@@ -1,7 +1,8 @@
 """Data: text in through Hugging Face `datasets`, tokenized (bytes, or a Hugging Face tokenizer), packed into blocks.
 
 FORK POINT 2: to train on your own data, replace the body of `build_datasets` (and `tokenize`). The loop needs
-two map-style datasets whose items `collate` turns into the model's keyword arguments (`input_ids`, `labels`).
+two map-style datasets whose items `collate` turns into the model's keyword arguments (`input_ids`, `labels`)
+(with `streaming`: a datasets IterableDataset of documents for training, which streaming.py packs).
 The plumbing's `prepare` shards them across processes: nothing in this file looks at ranks.
 
 `dataset` (a config key) selects the text:
@@ -18,6 +19,7 @@ import itertools
 import json
 import os
 import sysconfig
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -33,34 +35,46 @@ _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", "
 
 # >>> FORK POINT 2: build_datasets, tokenize
 def build_datasets(cfg):
-    """(train, eval) map-style datasets of packed `block_size`-token blocks."""
+    """(train, eval) map-style datasets of packed `block_size`-token blocks. With `streaming`, train is the stream
+    of documents itself (streaming.py packs it as it reads) and eval its first `streaming_eval_blocks` blocks."""
     splits = load_text(cfg)
-    train_text, eval_text = _train_eval_split(splits, cfg.eval_fraction)
+    train_text, eval_text = _train_eval_split(splits, cfg)
     pack = functools.partial(tokenize, block_size=cfg.block_size, text_column=cfg.text_column,
                              tokenizer=load_tokenizer(cfg.tokenizer_name))
-    train, evaluation = (
-        text.map(pack, batched=True, remove_columns=text.column_names, desc=f"tokenizing {name} text")
-        for name, text in (("train", train_text), ("eval", eval_text))
-    )
-    for name, ds in (("train", train), ("eval", evaluation)):
-        if len(ds) == 0:
-            raise ConfigError(f"dataset '{cfg.dataset}' gives no {name} block of block_size "
-                              f"{cfg.block_size} tokens: too little text")
-    return train.with_format("torch"), evaluation.with_format("torch")
+    if cfg.streaming:
+        import datasets
+
+        blocks = eval_text.map(pack, batched=True, remove_columns=list(next(iter(eval_text))))
+        evaluation = datasets.Dataset.from_list(list(itertools.islice(blocks, cfg.streaming_eval_blocks)))
+        return train_text.select_columns([cfg.text_column]), _some_blocks("eval", evaluation, cfg)
+    train, evaluation = (text.map(pack, batched=True, remove_columns=text.column_names, desc=f"tokenizing {name} text")
+                         for name, text in (("train", train_text), ("eval", eval_text)))
+    return _some_blocks("train", train, cfg), _some_blocks("eval", evaluation, cfg)
+
+
+def _some_blocks(name: str, blocks, cfg):
+    if len(blocks) == 0:
+        raise ConfigError(f"dataset '{cfg.dataset}' gives no {name} block of block_size {cfg.block_size} tokens: "
+                          f"too little text")
+    return blocks.with_format("torch")
 
 
 def tokenize(batch: dict, block_size: int, text_column: str, tokenizer=None) -> dict:
-    """The documents' tokens, each document ended by the tokenizer's EOS (bytes: a newline), cut into blocks (the
-    tail is dropped) and stored in the narrowest unsigned type that holds the vocabulary (bytes: 1 per token)."""
-    texts = [str(text) for text in batch[text_column] if text]
-    if tokenizer is None:
-        stream = np.frombuffer(b"".join(text.encode("utf-8") + b"\n" for text in texts), dtype=np.uint8)
-    else:
-        documents = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        stream = np.fromiter(itertools.chain.from_iterable(ids + [tokenizer.eos_token_id] for ids in documents),
-                             dtype=token_dtype(len(tokenizer)))
+    """A batch of documents as `block_size`-token blocks (the tail is dropped)."""
+    stream = token_stream(batch[text_column], tokenizer)
     n_blocks = len(stream) // block_size
     return {"input_ids": stream[:n_blocks * block_size].reshape(n_blocks, block_size)}
+
+
+def token_stream(texts: list, tokenizer=None) -> np.ndarray:
+    """The documents' tokens one after another, each document ended by the tokenizer's EOS (bytes: a newline), in
+    the narrowest unsigned type that holds the vocabulary (bytes: 1 per token). Empty documents are skipped."""
+    texts = [str(text) for text in texts if text]
+    if tokenizer is None:
+        return np.frombuffer(b"".join(text.encode("utf-8") + b"\n" for text in texts), dtype=np.uint8)
+    documents = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return np.fromiter(itertools.chain.from_iterable(ids + [tokenizer.eos_token_id] for ids in documents),
+                       dtype=token_dtype(len(tokenizer)))
 # <<< FORK POINT 2
 
 
@@ -91,6 +105,9 @@ def vocab_size(cfg) -> int:
 
 def data_identity(cfg, train_set) -> dict:
     """What a resume must find unchanged for the data order to continue exactly where it stopped."""
+    if cfg.streaming:
+        return {"seed": cfg.seed, "dataset": cfg.dataset, "streaming": True, "tokenizer": cfg.tokenizer_name,
+                "shuffle_buffer": cfg.shuffle_buffer}
     return {"seed": cfg.seed, "dataset": cfg.dataset, "train_blocks": len(train_set),
             "data_fingerprint": getattr(train_set, "_fingerprint", None)}  # datasets' hash of data and processing
 
@@ -112,21 +129,22 @@ def load_text(cfg):
         files = _data_files(source)
         builder = _BUILDERS[Path(files[0]).suffix]
         try:
-            splits = datasets.load_dataset(builder, data_files={"train": files})
+            splits = datasets.load_dataset(builder, data_files={"train": files}, streaming=cfg.streaming)
         except Exception as e:  # a malformed line, a wrong encoding: name the file type and the first cause
             cause = e.__cause__ or e
             raise ConfigError(f"dataset '{source}' cannot be read as {builder} files: {first_line(cause)}") from None
     else:
         try:
-            splits = datasets.load_dataset(source, cfg.dataset_config or None)
+            splits = datasets.load_dataset(source, cfg.dataset_config or None, streaming=cfg.streaming)
         except Exception as e:  # offline, unknown name, no access: all the same to the user
             offline = any(os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
             offline = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" if offline else ""
             raise ConfigError(f"dataset '{source}' could not be loaded from the hub{offline}: "
                               f"{first_line(e)}") from None
-    if cfg.text_column not in splits["train"].column_names:
+    columns = splits["train"].column_names or list(next(iter(splits["train"]), {}))  # a stream: its first row's
+    if cfg.text_column not in columns:
         raise ConfigError(f"text_column '{cfg.text_column}' is not a column of '{cfg.dataset}' "
-                          f"(columns: {', '.join(splits['train'].column_names)})")
+                          f"(columns: {', '.join(columns) or 'none: it has no rows'})")
     return splits
 
 
@@ -140,12 +158,17 @@ def _data_files(path: str) -> list[str]:
     return files
 
 
-def _train_eval_split(splits, eval_fraction: float):
+def _train_eval_split(splits, cfg):
     for name in ("validation", "test"):
         if name in splits:
             return splits["train"], splits[name]
+    if cfg.streaming:  # no index to split by: a document is held out by a hash of its text, whatever its position
+        def held_out(document) -> bool:
+            return zlib.crc32(str(document[cfg.text_column]).encode()) % 10_000 < cfg.eval_fraction * 10_000
+
+        return splits["train"].filter(lambda doc: not held_out(doc)), splits["train"].filter(held_out)
     # a fixed split seed: changing `seed` must not move documents between train and eval
-    held_out = splits["train"].train_test_split(test_size=eval_fraction, seed=0, shuffle=True)
+    held_out = splits["train"].train_test_split(test_size=cfg.eval_fraction, seed=0, shuffle=True)
     return held_out["train"], held_out["test"]
 
 

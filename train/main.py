@@ -32,6 +32,7 @@ from model import build_model, causal_lm_loss, checkpoint_activations, next_toke
 from optim import build_optimizer, lr_at, set_lr
 from plumbing import Plumbing
 from resume import resume_or_start
+from streaming import StreamBatches
 from tracking import MetricsLogger, Throughput, environment_info, flops_per_token, new_run_id
 
 
@@ -96,13 +97,15 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     with first():
         train_set, eval_set = build_datasets(cfg)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
-    check_data_size(len(train_set), global_batch, cfg)
+    check_data_size(train_set, global_batch, cfg)
     claim_run_folder(cfg, accelerator)  # settles output_dir and locks it: one job per run folder
-    sampler = EpochSampler(len(train_set), cfg.seed, global_batch)  # the order: a function of (seed, epoch)
     # a loader draws its worker seeds from `generator`, not from the global RNG that dropout uses
     loader_args = dict(batch_size=cfg.batch_size, collate_fn=collate, num_workers=cfg.num_workers,
                        pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(cfg.seed))
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **loader_args)
+    sampler = train_loader = None  # streaming: each process reads its own share of the stream (streaming.py)
+    if not cfg.streaming:
+        sampler = EpochSampler(len(train_set), cfg.seed, global_batch)  # the order: a function of (seed, epoch)
+        train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **loader_args)
     eval_loader = DataLoader(eval_set, **loader_args)
     # ---------------------------------------------------------------- model and optimizer
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
@@ -115,7 +118,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     if accelerator.scaler is None:  # accelerate's optimizer wrapper steps fp16's loss scaler, else it costs 0.3 ms/step
         optimizer = getattr(optimizer, "optimizer", optimizer)
-    batches = TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
+    batches = StreamBatches(train_set, cfg, accelerator) if cfg.streaming else \
+        TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
     check_loss_contract(model, eval_set, accelerator.device)  # the model's .loss is the loss evaluate() reports
     if cfg.compile:
         model = torch.compile(model)
@@ -131,7 +135,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     log.start(state.step, {"output_dir": cfg.output_dir, **environment_info(), "processes": accelerator.num_processes,
                            "mixed_precision": accelerator.mixed_precision,
                            "global_batch_size": global_batch, "tokens_per_step": global_batch * cfg.block_size,
-                           "train_samples": len(train_set), "eval_samples": len(eval_set),
+                           "train_samples": "streamed" if cfg.streaming else len(train_set),
+                           "eval_samples": len(eval_set),
                            "parameters": sum(p.numel() for p in plain_model.parameters())})
     log.start_trackers(state.tracker_run_id, state.step)
     throughput = Throughput(global_batch, global_batch * cfg.block_size, flops_per_token(plain_model),
@@ -232,9 +237,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def check_data_size(num_samples: int, global_batch: int, cfg: TrainConfig) -> None:
-    if num_samples < global_batch:
-        raise ConfigError(f"dataset: {num_samples} training blocks is too few for one optimizer step at "
+def check_data_size(train_set, global_batch: int, cfg: TrainConfig) -> None:
+    """A stream has no length: a share too small for one block is said when it runs dry (streaming.py)."""
+    if not cfg.streaming and len(train_set) < global_batch:
+        raise ConfigError(f"dataset: {len(train_set)} training blocks is too few for one optimizer step at "
                           f"world size {global_batch // cfg.batch_size // cfg.grad_accum_steps} x batch_size "
                           f"{cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} = {global_batch} blocks")
 

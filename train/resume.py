@@ -126,6 +126,10 @@ def load_checkpoint(plumbing, cfg, folder: Path, parts: dict, identity: dict) ->
         raise CheckpointError(f"{folder} has no part {', '.join(missing)} (it holds {', '.join(about['parts'])}): "
                               f"start a new run with --init_from")
     same_world = saved["world_size"] == plumbing.num_processes
+    if not same_world and (bound := [name for name, part in parts.items() if getattr(part, "same_world_size", 0)]):
+        raise CheckpointError(f"{folder} was saved by {saved['world_size']} processes, each with its own "
+                              f"{', '.join(bound)} position (a stream's): resume it with {saved['world_size']} "
+                              f"processes, or start a new run from its weights with --init_from")
     states = {name: _read_part(folder, name, part, plumbing) for name, part in parts.items()
               if same_world or not getattr(part, "per_process", False)}
     for name, state in states.items():
