@@ -144,7 +144,7 @@ def load_text(cfg):
     columns = splits["train"].column_names or list(next(iter(splits["train"]), {}))  # a stream: its first row's
     if cfg.text_column not in columns:
         raise ConfigError(f"text_column '{cfg.text_column}' is not a column of '{cfg.dataset}' "
-                          f"(columns: {', '.join(columns) or 'none: it has no rows'})")
+                          f"(columns: {', '.join(columns)})")
     return splits
 
 

@@ -20,7 +20,7 @@ Environment variables, each optional, read once at start-up:
                           (fuzzing, see test_kill_fuzz)
     FAULT_DISK_FULL_STEP=k  writing the metrics row of step k fails with ENOSPC (a full disk outside a save)
     FAULTY_ENTRY=torch_ddp  run train/torch_ddp.py's main() instead of train/main.py's
-    RECORD_SAMPLES=dir    each rank writes the train sample indices it drew to dir/rank{r}.json
+    RECORD_SAMPLES=dir    each rank writes the train sample indices (streaming: block ids) it drew to dir/rank{r}.json
 """
 
 import json
@@ -194,8 +194,11 @@ def inject_disk_full(step: int) -> None:
 
 
 def record_samples(folder: str) -> None:
-    """Wrap the train dataset so each rank records the indices it actually loaded and trained on."""
+    """Wrap the train dataset so each rank records the indices it actually loaded and trained on (streaming: the
+    ids of the blocks it drew)."""
     import torch
+
+    from streaming import StreamBatches
 
     drawn = []
 
@@ -210,11 +213,16 @@ def record_samples(folder: str) -> None:
             drawn.append(int(index))
             return self.dataset[index]
 
-    original_build, original_train = main.build_datasets, main.train
+    original_build, original_train, original_next_block = main.build_datasets, main.train, StreamBatches.next_block
 
     def build_datasets(cfg):
         train_set, eval_set = original_build(cfg)
-        return Recording(train_set), eval_set
+        return (train_set if cfg.streaming else Recording(train_set)), eval_set
+
+    def next_block(self):  # streaming: a block's id is (epoch, blocks this process packed before it)
+        sample_id, block = original_next_block(self)
+        drawn.append(list(sample_id))
+        return sample_id, block
 
     def train(cfg, plumbing):
         code = original_train(cfg, plumbing)
@@ -222,7 +230,7 @@ def record_samples(folder: str) -> None:
         (Path(folder) / f"rank{RANK}.json").write_text(json.dumps(drawn))
         return code
 
-    main.build_datasets, main.train = build_datasets, train
+    main.build_datasets, main.train, StreamBatches.next_block = build_datasets, train, next_block
 
 
 if __name__ == "__main__":
