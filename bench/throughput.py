@@ -5,6 +5,8 @@
                 AdamW step, a host sync at logging steps only (as nanoGPT's train.py feeds its batches)
     accelerate  train/main.py's train() with an Accelerator (1 process)
     torch       the same train() with torch_ddp.TorchDDP (1 process)
+    streaming   with `--streaming`: the accelerate variant reading the same text as a stream (train/streaming.py:
+                tokenized and packed as it is read, each step), instead of the map-style blocks tokenized once
     nanogpt     with `--nanogpt PATH` (a checkout of karpathy/nanoGPT, never copied here): nanoGPT's own
                 model.py and its train.py's loop (get_batch from a uint16 memmap of the same bytes,
                 configure_optimizers, get_lr, clip), on the same model size, batch and text
@@ -21,6 +23,7 @@ highest round). Two back-to-back runs agreeing within 2% is what `--repeat 2` sh
     python bench/throughput.py --fixed_cost                 # 1 layer, width 32: per-step overhead in microseconds
     python bench/throughput.py --repeat 2                   # the same measurement twice, back to back
     python bench/throughput.py --startup                    # launch to first optimizer step, 2 processes
+    python bench/throughput.py --streaming                  # the streamed corpus against the map-style one
     python bench/throughput.py --quick                      # seconds: the test suite's smoke run
     python bench/throughput.py --nanogpt ../nanoGPT --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 \
         --batch_size 12                                     # the issue's side-by-side config
@@ -54,7 +57,7 @@ def main(argv: list[str]) -> None:
     if opts["startup"]:
         print(startup_report(measure_startup(train_args, opts["startup"])))
         return
-    variants = VARIANTS + (("nanogpt",) if opts["nanogpt"] else ())
+    variants = VARIANTS + (("streaming",) if opts["streaming"] else ()) + (("nanogpt",) if opts["nanogpt"] else ())
     results = []
     for _ in range(opts["repeat"]):
         results.append(measure(train_args, variants, opts))
@@ -69,7 +72,8 @@ def main(argv: list[str]) -> None:
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"out": "", "nanogpt": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1, "startup": 0}
+    opts = {"out": "", "nanogpt": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1, "startup": 0,
+            "streaming": False}
     rest, i = [], 0
     while i < len(argv):
         key = argv[i].removeprefix("--")
@@ -77,6 +81,8 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
             opts.update(rounds=3, block=3, warmup=1)
         elif key == "fixed_cost":
             rest += FIXED_COST_MODEL
+        elif key == "streaming" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            opts["streaming"] = True
         elif key == "startup" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
             opts["startup"] = 3  # launches of each kind
         elif key in opts:
@@ -166,17 +172,18 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     """Run the variants interleaved in this process; return per-variant figures and per-round ratios."""
     import data
     import main as accelerate_main
+    import streaming
     import torch_ddp
     from config import load_config
 
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
-    next_batch = data.TrainBatches.__next__
+    next_batch = {stream: stream.__next__ for stream in (data.TrainBatches, streaming.StreamBatches)}
 
     def timed_next(self):
         start = time.perf_counter()
-        batch = next_batch(self)
+        batch = next_batch[type(self)](self)
         baton.loader_wait(local.name, time.perf_counter() - start)
         return batch
 
@@ -184,13 +191,14 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         local.name = name
         error = None
         try:
-            cfg = load_config([*train_args, "--output_dir", str(workdir / name)])
+            streamed = ["--streaming", "true"] if name == "streaming" else []
+            cfg = load_config([*train_args, *streamed, "--output_dir", str(workdir / name)])
             if name == "bare":
                 bare_loop(cfg, baton)
             elif name == "nanogpt":
                 nanogpt_loop(cfg, baton, Path(opts["nanogpt"]), workdir)
             else:
-                plumbing = accelerate_main.build_accelerator(cfg) if name == "accelerate" else torch_ddp.TorchDDP(cfg)
+                plumbing = torch_ddp.TorchDDP(cfg) if name == "torch" else accelerate_main.build_accelerator(cfg)
                 accelerate_main.train(cfg, plumbing)
         except BaseException as e:  # noqa: BLE001 - reported after the other threads are released
             error = e
@@ -209,7 +217,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
             return build_datasets(cfg)
 
     with tempfile.TemporaryDirectory() as workdir:
-        data.TrainBatches.__next__ = timed_next
+        data.TrainBatches.__next__ = streaming.StreamBatches.__next__ = timed_next
         accelerate_main.Throughput.step = step
         data.build_datasets = accelerate_main.build_datasets = build_datasets_one_at_a_time
         try:
@@ -220,7 +228,9 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
                 for thread in threads:
                     thread.join()
         finally:
-            data.TrainBatches.__next__, accelerate_main.Throughput.step = next_batch, original_step
+            for stream, original in next_batch.items():
+                stream.__next__ = original
+            accelerate_main.Throughput.step = original_step
             data.build_datasets = accelerate_main.build_datasets = build_datasets
     if baton.errors:
         raise baton.errors[0]
@@ -345,6 +355,7 @@ def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train
                          "loader_wait_frac": statistics.median(waits)}
     for key, top, bottom in (("accelerate_over_bare", "accelerate", "bare"),
                              ("torch_over_accelerate", "torch", "accelerate"),
+                             ("streaming_over_accelerate", "streaming", "accelerate"),
                              ("nanogpt_over_accelerate", "nanogpt", "accelerate"),  # = accelerate's speed-up
                              ("nanogpt_over_bare", "nanogpt", "bare")):
         if top not in counted:
@@ -360,12 +371,13 @@ def report(summary: dict) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
     lines = [f"device: {device}; {summary['rounds']} interleaved rounds of {summary['block_steps']} steps per variant",
              "", f"{'variant':<11} {'step':>12} {'tokens/s':>12} {'loader wait':>12}"]
-    for name in (name for name in (*VARIANTS, "nanogpt") if name in summary):
+    for name in (name for name in (*VARIANTS, "streaming", "nanogpt") if name in summary):
         r = summary[name]
         step = f"{r['step_time_us']:.0f} us" if r["step_time_s"] < 0.01 else f"{1e3 * r['step_time_s']:.2f} ms"
         lines.append(f"{name:<11} {step:>12} {r['tokens_per_s']:>12,.0f} {100 * r['loader_wait_frac']:>11.2f}%")
     for key, label, target in (("accelerate_over_bare", "accelerate / bare:  ", "target <= 1.02"),
                                ("torch_over_accelerate", "torch / accelerate: ", "target 0.98 .. 1.02"),
+                               ("streaming_over_accelerate", "streaming / map:    ", "step time, streamed / map-style"),
                                ("nanogpt_over_accelerate", "nanogpt / accelerate:", "Accelerate's speed-up; >= 1.10"),
                                ("nanogpt_over_bare", "nanogpt / bare:     ", "target >= 1.00")):
         if key not in summary:
