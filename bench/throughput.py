@@ -176,6 +176,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     import torch_ddp
     from config import load_config
 
+    cfg = load_config(train_args)  # once before the threads: a tokenizer's lazy imports are not thread-safe
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
@@ -234,7 +235,6 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
             data.build_datasets = accelerate_main.build_datasets = build_datasets
     if baton.errors:
         raise baton.errors[0]
-    cfg = load_config(train_args)
     tokens = cfg.batch_size * cfg.grad_accum_steps * cfg.block_size
     return summarize(baton, opts["warmup"], block, tokens, train_args)
 
