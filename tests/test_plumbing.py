@@ -15,7 +15,8 @@ from conftest import REPO
 from plumbing import Plumbing
 from torch_ddp import Autocast, ShardedLoader, TorchDDP
 
-USERS = ["main.py", "checkpoint.py", "resume.py", "tracking.py", "job.py", "streaming.py"]  # the code the contract serves
+# the code the contract serves
+USERS = ["main.py", "checkpoint.py", "resume.py", "tracking.py", "job.py", "streaming.py"]
 METHODS = [name for name, member in vars(Plumbing).items() if inspect.isfunction(member) and not name.startswith("_")]
 ATTRIBUTES = list(typing.get_type_hints(Plumbing))
 

@@ -21,7 +21,8 @@ def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, cor
         figures = summary[variant]
         assert figures["step_time_s"] > 0 and figures["tokens_per_s"] > 0
         assert 0 <= figures["loader_wait_frac"] < 1
-    for ratio in ("accelerate_over_bare", "torch_over_accelerate", "streaming_over_accelerate"):  # the median of per-round ratios, and spread
+    # each ratio: the median of per-round ratios, and its spread
+    for ratio in ("accelerate_over_bare", "torch_over_accelerate", "streaming_over_accelerate"):
         assert 0 < summary[ratio]["low"] <= summary[ratio]["median"] <= summary[ratio]["high"]
     assert summary["rounds"] == 2  # --quick: 3 rounds, the first one warm-up
     assert "accelerate / bare:" in result.stdout and "loader wait" in result.stdout
