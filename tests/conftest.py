@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -38,8 +39,8 @@ def free_port() -> int:
 def base_env(tmp_root: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK",
                                                                    "WORLD_SIZE", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="offline", WANDB_SILENT="true",
-               WANDB_DIR=str(tmp_root), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", WANDB_MODE="offline",
+               WANDB_SILENT="true", WANDB_DIR=str(tmp_root), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_HOME=str(SESSION_HF_HOME), TOKENIZERS_PARALLELISM="false")
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -104,12 +105,21 @@ def _output_dir_of(args: list[str]) -> Path | None:
 
 
 def run(cmd: list[str], env: dict, timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n" + "\n".join(out.splitlines()[-40:]))
+    """Run to the end; past `timeout`, kill the launch's whole process group (its workers too: left running,
+    they would slow every later test) and fail with its last lines."""
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          stdin=subprocess.DEVNULL, start_new_session=True) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every process prints where it hangs
+            try:
+                out, _ = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+            pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n" + "\n".join(out.splitlines()[-80:]))
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
 CRASH_EXIT = re.compile(r"exitcode\s*:\s*-(6|11)\b")  # SIGABRT, SIGSEGV: signals no test sends

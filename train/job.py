@@ -201,8 +201,18 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
         # a peer process died or hung; that process (or the launcher's summary) says why
         exit_with_error(RunError(f"lost contact with another process ({first_line(e)})"))
     finally:
-        getattr(plumbing, "close", lambda: None)()
+        close_process_group()
     sys.exit(code)
+
+
+def close_process_group() -> None:
+    """Destroy the process group once gloo's worker threads are idle. A worker that has just run a collective frees
+    its tensors under the group's lock, and needs the GIL for that; the group's destructor takes that lock holding
+    the GIL. Destroyed right after a collective, a process can hang at exit (seen here: a rank stuck for good in
+    ~ProcessGroupGloo, its peer long gone). So: release the GIL a moment first, then destroy."""
+    if dist.is_initialized():
+        time.sleep(0.05)
+        dist.destroy_process_group()
 
 
 def stopped_before_training(cfg, plumbing) -> int:

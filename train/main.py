@@ -186,8 +186,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     # ---------------------------------------------------------------- save
     path = export_model(accelerator, model, cfg.output_dir)
     log.info(f"model: {path}")
-    log.close()  # finishes the trackers
-    accelerator.end_training()
+    log.close()  # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
     return 0
 
 

@@ -44,4 +44,3 @@ class Plumbing(Protocol):
     def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None
                       ) -> None: ...  # on the main process only
     def log(self, values: dict, step: int | None = None) -> None: ...  # one row to every started tracker
-    def end_training(self) -> None: ...  # finishes the trackers, waits for every process

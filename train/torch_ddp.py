@@ -170,13 +170,6 @@ class TorchDDP:
         for tracker in self.trackers:
             tracker.log(values, step=step)
 
-    def end_training(self) -> None:
-        self.wait_for_everyone()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def map_tensors(fn, data):
     """fn applied to every tensor in nested dicts, tuples and lists."""
@@ -259,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         exit_with_error(ConfigError("mixed_precision fp16 needs a GradScaler, which torch_ddp.py leaves out: "
                                     "use bf16, or main.py"))
     if not processes:
-        run_or_exit(train, cfg, TorchDDP)  # exits; TorchDDP.close (destroy_process_group) runs on every way out
+        run_or_exit(train, cfg, TorchDDP)  # exits; the process group is closed on every way out
     with socket.socket() as s:  # a free port for the spawned processes' rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -4,6 +4,7 @@ Compared with one launcher of 4 processes: bitwise the same losses and weights, 
 one set of checkpoints. Also: a node that dies mid-run, and a launch whose world size does not add up.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,8 +61,12 @@ def finish(procs, timeout=240):
             out, _ = proc.communicate(timeout=max(1, deadline - time.time()))
         except subprocess.TimeoutExpired:
             for p in procs:
-                os.killpg(p.pid, signal.SIGKILL)
-            tails = ["\n".join((p.communicate()[0] or "").splitlines()[-15:]) for p in procs]
+                os.killpg(p.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every process prints where it hangs
+            time.sleep(5)
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+            tails = ["\n".join((p.communicate()[0] or "").splitlines()[-40:]) for p in procs]
             pytest.fail("a node did not finish in time\n" + "\n".join(f"--- node {rank}:\n{tail}"
                                                                       for rank, tail in enumerate(tails)))
         outputs.append(out)
