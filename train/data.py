@@ -64,6 +64,7 @@ def tokenize(batch: dict, block_size: int, text_column: str, tokenizer=None) -> 
     stream = token_stream(batch[text_column], tokenizer)
     n_blocks = len(stream) // block_size
     return {"input_ids": stream[:n_blocks * block_size].reshape(n_blocks, block_size)}
+# <<< FORK POINT 2
 
 
 def token_stream(texts: list, tokenizer=None) -> np.ndarray:
@@ -75,7 +76,6 @@ def token_stream(texts: list, tokenizer=None) -> np.ndarray:
     documents = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     return np.fromiter(itertools.chain.from_iterable(ids + [tokenizer.eos_token_id] for ids in documents),
                        dtype=token_dtype(len(tokenizer)))
-# <<< FORK POINT 2
 
 
 def token_dtype(vocab_size: int):
