@@ -112,6 +112,45 @@ def data_identity(cfg, train_set) -> dict:
             "data_fingerprint": getattr(train_set, "_fingerprint", None)}  # datasets' hash of data and processing
 
 
+class ArrowBlocks(torch.utils.data.Dataset):
+    """Packed blocks read as numpy views of datasets' memory-mapped Arrow cache, as nanoGPT reads its memmap: no
+    copy of the data, no per-row formatting (565 -> 77 us per batch of 8 x 64 tokens, measured). `fast_reader`
+    decides when a dataset qualifies."""
+
+    def __init__(self, dataset):
+        self.dataset, self._views = dataset, None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getstate__(self) -> dict:  # to a spawned loader worker: the dataset, not the views (they would be copied)
+        return {"dataset": self.dataset, "_views": None}
+
+    def __getitem__(self, index: int) -> dict:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        if self._views is None:  # one view per Arrow chunk, and where each chunk starts
+            chunks = self.dataset.data.table.column("input_ids").chunks
+            views = [chunk.flatten().to_numpy(zero_copy_only=True).reshape(len(chunk), -1) for chunk in chunks]
+            self._views = views, np.cumsum([0] + [len(view) for view in views])
+        views, starts = self._views
+        chunk_of = np.searchsorted(starts, indices, side="right") - 1
+        return [{"input_ids": torch.from_numpy(views[c][i - starts[c]].astype(np.int64))}
+                for c, i in zip(chunk_of, indices, strict=True)]
+
+
+def fast_reader(dataset):
+    """ArrowBlocks over `dataset` if it is what build_datasets makes (a datasets.Dataset holding only fixed-length
+    token blocks, in storage order); any other dataset (a fork's own, a filtered view) as it is."""
+    import datasets
+
+    if not isinstance(dataset, datasets.Dataset) or dataset._indices is not None or \
+            dataset.column_names != ["input_ids"]:
+        return dataset
+    return ArrowBlocks(dataset)
+
+
 def collate(samples: list[dict]) -> dict:
     """Stack samples into the model's inputs; a causal LM's labels are its inputs (it shifts them)."""
     input_ids = torch.stack([s["input_ids"] for s in samples]).long()

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from checkpoint import TrainState, checkpoint_parts, export_model, latest_checkpoint, save_checkpoint
 from config import ConfigError, RunError, TrainConfig
-from data import EpochSampler, TrainBatches, build_datasets, collate, data_identity
+from data import EpochSampler, TrainBatches, build_datasets, collate, data_identity, fast_reader
 from job import check_world_size, claim_run_folder, init_process_group, load_config_or_exit, run_or_exit, stop_signals
 from model import build_model, causal_lm_loss, checkpoint_activations, next_token_counts
 from optim import build_optimizer, lr_at, set_lr
@@ -105,7 +105,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     sampler = train_loader = None  # streaming: each process reads its own share of the stream (streaming.py)
     if not cfg.streaming:
         sampler = EpochSampler(len(train_set), cfg.seed, global_batch)  # the order: a function of (seed, epoch)
-        train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **loader_args)
+        train_loader = DataLoader(fast_reader(train_set), sampler=sampler, drop_last=True, **loader_args)
     eval_loader = DataLoader(eval_set, **loader_args)
     # ---------------------------------------------------------------- model and optimizer
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
