@@ -176,7 +176,11 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     import torch_ddp
     from config import load_config
 
-    cfg = load_config(train_args)  # once before the threads: a tokenizer's lazy imports are not thread-safe
+    cfg = load_config(train_args)
+    # every variant's config before the threads: a tokenizer's lazy imports and datasets' progress bars (a stream's
+    # check opens it) are not thread-safe
+    configs = {name: load_config([*train_args, *(["--streaming", "true"] if name == "streaming" else [])])
+               for name in variants}
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
@@ -192,8 +196,8 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         local.name = name
         error = None
         try:
-            streamed = ["--streaming", "true"] if name == "streaming" else []
-            cfg = load_config([*train_args, *streamed, "--output_dir", str(workdir / name)])
+            cfg = configs[name]
+            cfg.output_dir = str(workdir / name)
             if name == "bare":
                 bare_loop(cfg, baton)
             elif name == "nanogpt":
