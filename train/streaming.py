@@ -43,7 +43,6 @@ class StreamBatches:
         self.tokenizer, self._dtype = load_tokenizer(cfg.tokenizer_name), token_dtype(vocab_size(cfg))
         self.text_column, self.block_size, self.batch_size = cfg.text_column, cfg.block_size, cfg.batch_size
         self.buffer_size, self.seed = cfg.shuffle_buffer, cfg.seed
-        self.micro_batches = 0
         self._start_epoch(0)
 
     @property
@@ -53,7 +52,6 @@ class StreamBatches:
     def __next__(self) -> dict:
         input_ids = torch.from_numpy(np.stack([self.next_block()[1] for _ in range(self.batch_size)])).long()
         input_ids = input_ids.to(self.device, non_blocking=True)
-        self.micro_batches += 1
         return {"input_ids": input_ids, "labels": input_ids}
 
     def next_block(self) -> tuple[tuple[int, int], np.ndarray]:
@@ -99,7 +97,7 @@ class StreamBatches:
 
     def state_dict(self) -> dict:
         blocks = np.stack([block for _, block in self._buffer]) if self._buffer else np.zeros((0, self.block_size))
-        return {"micro_batches": self.micro_batches, "epoch": self._epoch, "packed": self._packed,
+        return {"epoch": self._epoch, "packed": self._packed,
                 "source_done": self._source_done, "source": self._source_state,
                 "pending": torch.from_numpy(self._pending.astype(np.int64)),
                 "buffer": torch.from_numpy(blocks.astype(np.int64)),
@@ -108,7 +106,7 @@ class StreamBatches:
 
     def load_state_dict(self, state: dict) -> None:
         self._start_epoch(state["epoch"], state["source"])
-        self.micro_batches, self._packed = state["micro_batches"], state["packed"]
+        self._packed = state["packed"]
         self._source_done, self._pending = state["source_done"], state["pending"].numpy().astype(self._dtype)
         self._buffer = [(tuple(sample_id), block) for sample_id, block
                         in zip(state["buffer_ids"], state["buffer"].numpy().astype(self._dtype), strict=True)]
