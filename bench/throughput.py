@@ -11,17 +11,24 @@
                 model.py and its train.py's loop (get_batch from a uint16 memmap of the same bytes,
                 configure_optimizers, get_lr, clip), on the same model size, batch and text
 
-Each variant runs in its own thread. A baton lets one thread at a time run a block of `--block` optimizer
-steps, in an order that rotates every round, so each round times the three back to back. The first
-`--warmup` rounds (allocator, caches, compilation) are not counted. Reported: per variant the median time
-per step, tokens/s and the share of step time spent waiting for the next batch; and the ratios
-accelerate/bare and torch/accelerate as the MEDIAN OF PER-ROUND RATIOS with their spread (lowest and
-highest round). Two back-to-back runs agreeing within 2% is what `--repeat 2` shows.
+Each variant runs in its own thread. The threads start one after another: each one's set-up and first step
+run alone. Then a baton lets one thread at a time run a block of `--block` optimizer steps, in an order that
+rotates every round, so each round times the variants back to back. The first `--warmup` rounds (allocator,
+caches, compilation) are not counted. Reported: per variant the median time per step, tokens/s, the share of
+step time spent waiting for the next batch and the final train loss; and the ratios accelerate/bare and
+torch/accelerate as the MEDIAN OF PER-ROUND RATIOS with their spread (lowest and highest round). Two
+back-to-back runs agreeing within 2% is what `--repeat 2` shows.
+
+`--processes N` runs the same interleaving in N processes, started as the default CPU job is (`accelerate launch
+--config_file accelerate_configs/cpu.yaml`; on GPUs 8gpu.yaml): every variant is then data-parallel over the N
+processes (the bare loop and nanoGPT's with plain DDP, each rank taking its share of every batch), and every
+rank runs the same sequence of blocks, so their collectives meet. Rank 0 reports.
 
     python bench/throughput.py                              # tiny preset, 12 rounds of 10 steps (CPU: ~1 min)
     python bench/throughput.py --rounds 20 --block 10 --n_layer 4 --n_embd 128 --block_size 64 --batch_size 12
     python bench/throughput.py --fixed_cost                 # 1 layer, width 32: per-step overhead in microseconds
     python bench/throughput.py --repeat 2                   # the same measurement twice, back to back
+    python bench/throughput.py --processes 2                # the default 2-process CPU job's set-up
     python bench/throughput.py --startup                    # launch to first optimizer step, 2 processes
     python bench/throughput.py --streaming                  # the streamed corpus against the map-style one
     python bench/throughput.py --quick                      # seconds: the test suite's smoke run
@@ -38,7 +45,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -57,23 +66,42 @@ def main(argv: list[str]) -> None:
     if opts["startup"]:
         print(startup_report(measure_startup(train_args, opts["startup"])))
         return
+    if opts["processes"] > 1 and "WORLD_SIZE" not in os.environ:
+        sys.exit(relaunch(argv, opts["processes"]))
     variants = VARIANTS + (("streaming",) if opts["streaming"] else ()) + (("nanogpt",) if opts["nanogpt"] else ())
+    reporting = int(os.environ.get("RANK", "0")) == 0
     results = []
     for _ in range(opts["repeat"]):
         results.append(measure(train_args, variants, opts))
-        print(report(results[-1]))
-        print()
-    if opts["repeat"] > 1:
+        if reporting:
+            print(report(results[-1]), end="\n\n", flush=True)
+    if opts["repeat"] > 1 and reporting:
         first, second = (r["accelerate_over_bare"]["median"] for r in results[:2])
         print(f"back to back: accelerate / bare {first:.3f} then {second:.3f} "
               f"({100 * abs(second - first) / first:.1f}% apart)")
-    if opts["out"]:
+    if opts["out"] and reporting:
         Path(opts["out"]).write_text(json.dumps(results if len(results) > 1 else results[0], indent=2) + "\n")
+
+
+def relaunch(argv: list[str], processes: int) -> int:
+    """This script again, in `processes` processes, launched as the template's default job is."""
+    config = "8gpu.yaml" if _on_gpu() else "cpu.yaml"
+    return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                            str(REPO / "accelerate_configs" / config), "--num_processes", str(processes),
+                            "--main_process_port", str(_free_port()), __file__, *argv])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
     opts = {"out": "", "nanogpt": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1, "startup": 0,
-            "streaming": False}
+            "streaming": False, "processes": 1}
     rest, i = [], 0
     while i < len(argv):
         key = argv[i].removeprefix("--")
@@ -111,6 +139,7 @@ class Baton:
         self.seconds = {name: [] for name in names}  # per block
         self.waits = {name: [] for name in names}  # loader wait per block
         self.wait = 0.0
+        self.losses = {name: [] for name in names}  # train loss at logging steps
         self.errors: list[BaseException] = []
 
     def step(self, name: str) -> None:
@@ -127,13 +156,20 @@ class Baton:
                     return  # its last block: it keeps the baton until its train() has returned (finish)
                 self._hand_over()
             else:
-                self.ready.add(name)  # its first step: set-up is over; start once every variant is here
+                self.ready.add(name)  # its first step: set-up is over; the next variant may start its own
+                self.cond.notify_all()
                 if len(self.ready) == len(self.names):
                     self._hand_over()
             self.cond.wait_for(lambda: self.holder == name or self.errors)
             if self.errors:
                 raise RuntimeError("stopped: another variant failed")
             self.count, self.wait, self.started = 0, 0.0, time.perf_counter()
+
+    def wait_until_ready(self, name: str) -> bool:
+        """Until `name` has set up and made its first step; False if a variant failed instead."""
+        with self.cond:
+            self.cond.wait_for(lambda: name in self.ready or self.errors)
+            return not self.errors
 
     def loader_wait(self, name: str, seconds: float) -> None:
         if self.holder == name:
@@ -170,17 +206,21 @@ def _sync() -> None:
 
 def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dict:
     """Run the variants interleaved in this process; return per-variant figures and per-round ratios."""
+    import torch.distributed as dist
+
     import data
     import main as accelerate_main
     import streaming
     import torch_ddp
     from config import load_config
+    from job import init_process_group
 
     cfg = load_config(train_args)
-    # every variant's config before the threads: a tokenizer's lazy imports and datasets' progress bars (a stream's
-    # check opens it) are not thread-safe
     configs = {name: load_config([*train_args, *(["--streaming", "true"] if name == "streaming" else [])])
-               for name in variants}
+               for name in variants}  # parsed and checked here, before any thread
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        init_process_group(cfg.dist_timeout_s)  # once, for every variant: each plumbing would start its own
+        accelerate_main.init_process_group = torch_ddp.init_process_group = lambda timeout_s: None
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
@@ -215,36 +255,42 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         original_step(self)
         baton.step(local.name)
 
-    build_datasets, building = data.build_datasets, threading.Lock()
-
-    def build_datasets_one_at_a_time(cfg):  # datasets' progress bars are not thread-safe
-        with building:
-            return build_datasets(cfg)
-
-    with tempfile.TemporaryDirectory() as workdir:
+    with tempfile.TemporaryDirectory() as own_folder:
+        shared = [own_folder]
+        if dist.is_initialized():  # the ranks of each variant share one run folder, as a job's ranks do
+            dist.broadcast_object_list(shared)
+        workdir = Path(shared[0])
         data.TrainBatches.__next__ = streaming.StreamBatches.__next__ = timed_next
         accelerate_main.Throughput.step = step
-        data.build_datasets = accelerate_main.build_datasets = build_datasets_one_at_a_time
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # train()'s log lines
-                threads = [threading.Thread(target=run, args=(name, Path(workdir)), name=name) for name in variants]
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
+                threads = [threading.Thread(target=run, args=(name, workdir), name=name) for name in variants]
+                for thread in threads:  # set-up and first step alone: collectives meet in one order on every rank,
+                    thread.start()      # and datasets' and tokenizers' first calls need no thread safety
+                    if not baton.wait_until_ready(thread.name):
+                        break
+                for thread in (thread for thread in threads if thread.ident is not None):
                     thread.join()
         finally:
             for stream, original in next_batch.items():
                 stream.__next__ = original
             accelerate_main.Throughput.step = original_step
-            data.build_datasets = accelerate_main.build_datasets = build_datasets
+        for name in variants:  # train()'s loss rows, written by rank 0
+            metrics = workdir / name / "metrics.jsonl"
+            if metrics.exists():
+                rows = (json.loads(line) for line in metrics.read_text().splitlines())
+                baton.losses[name] = [row["loss"] for row in rows if "loss" in row]
+        if dist.is_initialized() and not baton.errors:
+            dist.barrier()  # every rank is done with rank 0's folder before it goes
     if baton.errors:
         raise baton.errors[0]
-    tokens = cfg.batch_size * cfg.grad_accum_steps * cfg.block_size
+    tokens = cfg.batch_size * cfg.grad_accum_steps * cfg.block_size * int(os.environ.get("WORLD_SIZE", "1"))
     return summarize(baton, opts["warmup"], block, tokens, train_args)
 
 
 def bare_loop(cfg, baton: Baton) -> None:
-    """The reference: what the fastest hand-written single-process loop does per step, nothing more."""
+    """The reference: what the fastest hand-written loop does per step, nothing more (several processes: plain DDP,
+    each rank taking its slice of every global batch)."""
     import torch
 
     from data import build_datasets
@@ -252,33 +298,55 @@ def bare_loop(cfg, baton: Baton) -> None:
     from optim import build_optimizer, lr_at, set_lr
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    world_size, rank = _world()
     train_set, _ = build_datasets(cfg)
     blocks = train_set[:]["input_ids"]  # the whole packed train set as one (N, block_size) int64 tensor
     torch.manual_seed(cfg.seed)
     model = build_model(cfg).to(device)
-    model = torch.compile(model) if cfg.compile else model
     optimizer = build_optimizer(model, cfg)
+    model = _ddp(model) if world_size > 1 else model
+    model = torch.compile(model) if cfg.compile else model
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
     generator = torch.Generator().manual_seed(cfg.seed)
-    order, position = torch.randperm(len(blocks), generator=generator), 0
+    order, position, global_batch = torch.randperm(len(blocks), generator=generator), 0, cfg.batch_size * world_size
     for step in range(cfg.max_steps):
-        for _ in range(cfg.grad_accum_steps):
+        for micro_step in range(cfg.grad_accum_steps):
             start = time.perf_counter()
-            if position + cfg.batch_size > len(order):
+            if position + global_batch > len(order):
                 order, position = torch.randperm(len(blocks), generator=generator), 0
-            x = blocks[order[position:position + cfg.batch_size]].to(device, non_blocking=True)
-            position += cfg.batch_size
+            mine = order[position + rank * cfg.batch_size:position + (rank + 1) * cfg.batch_size]
+            x = blocks[mine].to(device, non_blocking=True)
+            position += global_batch
             baton.loader_wait("bare", time.perf_counter() - start)
-            with autocast:
-                loss = model(input_ids=x, labels=x).loss
-            (loss / cfg.grad_accum_steps).backward()
+            with _no_sync(model, micro_step < cfg.grad_accum_steps - 1):
+                with autocast:
+                    loss = model(input_ids=x, labels=x).loss
+                (loss / cfg.grad_accum_steps).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         set_lr(optimizer, lr_at(step, cfg))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % cfg.log_every == 0:
-            loss.item()  # a logging loop waits for the device here, and only here
+            baton.losses["bare"].append(loss.item())  # a logging loop waits for the device here, and only here
         baton.step("bare")
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+
+
+def _ddp(model):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+    return DistributedDataParallel(model, device_ids=devices)
+
+
+def _no_sync(model, skip: bool):
+    return model.no_sync() if skip and hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
 def nanogpt_loop(cfg, baton: Baton, checkout: Path, workdir: str) -> None:
@@ -296,15 +364,17 @@ def nanogpt_loop(cfg, baton: Baton, checkout: Path, workdir: str) -> None:
     spec.loader.exec_module(nanogpt)
     GPT, GPTConfig = nanogpt.GPT, nanogpt.GPTConfig  # noqa: N806 - nanoGPT's names
 
+    world_size, rank = _world()
     train_set, _ = build_datasets(cfg)
-    path = Path(workdir) / "nanogpt_train.bin"  # nanoGPT's format: the token stream as uint16
+    path = Path(workdir) / f"nanogpt_train_{rank}.bin"  # nanoGPT's format: the token stream as uint16
     np.asarray(train_set[:]["input_ids"], dtype=np.uint16).reshape(-1).tofile(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=256, n_layer=cfg.n_layer, n_head=cfg.n_head,
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=True)).to(device)
-    model = torch.compile(model) if cfg.compile else model
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device)
+    model = torch.compile(model) if cfg.compile else model
+    model = _ddp(model) if world_size > 1 else model
     ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
 
     def get_batch():  # train.py's, as written there
@@ -330,7 +400,9 @@ def nanogpt_loop(cfg, baton: Baton, checkout: Path, workdir: str) -> None:
     for step in range(cfg.max_steps):
         for group in optimizer.param_groups:
             group["lr"] = get_lr(step)
-        for _ in range(cfg.grad_accum_steps):
+        for micro_step in range(cfg.grad_accum_steps):
+            if world_size > 1:  # train.py's way to skip the all-reduce until the last micro-step
+                model.require_backward_grad_sync = micro_step == cfg.grad_accum_steps - 1
             with ctx:
                 _, loss = model(x, y)
                 loss = loss / cfg.grad_accum_steps
@@ -342,7 +414,7 @@ def nanogpt_loop(cfg, baton: Baton, checkout: Path, workdir: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % cfg.log_every == 0:
-            loss.item()
+            baton.losses["nanogpt"].append(loss.item() * cfg.grad_accum_steps)
         baton.step("nanogpt")
 
 
@@ -356,7 +428,9 @@ def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train
         waits = [w / s for w, s in zip(baton.waits[name][warmup:], counted[name], strict=True)]
         step = statistics.median(step_times)
         summary[name] = {"step_time_s": step, "step_time_us": 1e6 * step, "tokens_per_s": tokens_per_step / step,
-                         "loader_wait_frac": statistics.median(waits)}
+                         "loader_wait_frac": statistics.median(waits),
+                         # the last three logged (one step each; rank 0's for the bare and nanoGPT loops)
+                         "final_loss": statistics.mean(baton.losses[name][-3:]) if baton.losses[name] else None}
     for key, top, bottom in (("accelerate_over_bare", "accelerate", "bare"),
                              ("torch_over_accelerate", "torch", "accelerate"),
                              ("streaming_over_accelerate", "streaming", "accelerate"),
@@ -372,13 +446,18 @@ def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train
 def report(summary: dict) -> str:
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    lines = [f"device: {device}; {summary['rounds']} interleaved rounds of {summary['block_steps']} steps per variant",
-             "", f"{'variant':<11} {'step':>12} {'tokens/s':>12} {'loader wait':>12}"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
+        f"CPU, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    lines = [f"device: {device} x {processes} process{'es' if processes > 1 else ''}; {summary['rounds']} "
+             f"interleaved rounds of {summary['block_steps']} steps per variant",
+             "", f"{'variant':<11} {'step':>12} {'tokens/s':>12} {'loader wait':>12} {'final loss':>11}"]
     for name in (name for name in (*VARIANTS, "streaming", "nanogpt") if name in summary):
         r = summary[name]
         step = f"{r['step_time_us']:.0f} us" if r["step_time_s"] < 0.01 else f"{1e3 * r['step_time_s']:.2f} ms"
-        lines.append(f"{name:<11} {step:>12} {r['tokens_per_s']:>12,.0f} {100 * r['loader_wait_frac']:>11.2f}%")
+        loss = "" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
+        lines.append(f"{name:<11} {step:>12} {r['tokens_per_s']:>12,.0f} {100 * r['loader_wait_frac']:>11.2f}% "
+                     f"{loss:>11}")
     for key, label, target in (("accelerate_over_bare", "accelerate / bare:  ", "target <= 1.02"),
                                ("torch_over_accelerate", "torch / accelerate: ", "target 0.98 .. 1.02"),
                                ("streaming_over_accelerate", "streaming / map:    ", "step time, streamed / map-style"),

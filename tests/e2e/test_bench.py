@@ -1,5 +1,5 @@
 """The benchmark script runs end to end in its quick mode (four variants, the streamed corpus included, interleaved
-in one process) and reports every figure (not their values)."""
+in each of 2 processes launched as the default CPU job is) and reports every figure (not their values)."""
 
 import json
 import sys
@@ -13,16 +13,18 @@ pytestmark = pytest.mark.slow
 
 def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, corpus):
     out = tmp_path / "bench.json"  # the small test corpus: the final evaluation of each variant stays short
-    result = run([sys.executable, str(REPO / "bench/throughput.py"), "--quick", "--streaming", "--out",
-                  str(out), "--dataset", str(corpus), "--block_size", "32"], base_env(tmp_path), timeout=300)
+    result = run([sys.executable, str(REPO / "bench/throughput.py"), "--quick", "--streaming", "--processes", "2",
+                  "--out", str(out), "--dataset", str(corpus), "--block_size", "32"], base_env(tmp_path), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads(out.read_text())
     for variant in ("bare", "accelerate", "torch", "streaming"):
         figures = summary[variant]
         assert figures["step_time_s"] > 0 and figures["tokens_per_s"] > 0
         assert 0 <= figures["loader_wait_frac"] < 1
+        assert figures["final_loss"] > 0
     # each ratio: the median of per-round ratios, and its spread
     for ratio in ("accelerate_over_bare", "torch_over_accelerate", "streaming_over_accelerate"):
         assert 0 < summary[ratio]["low"] <= summary[ratio]["median"] <= summary[ratio]["high"]
     assert summary["rounds"] == 2  # --quick: 3 rounds, the first one warm-up
     assert "accelerate / bare:" in result.stdout and "loader wait" in result.stdout
+    assert "x 2 processes" in result.stdout and result.stdout.count("device:") == 1  # rank 0 reports
