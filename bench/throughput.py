@@ -1,10 +1,10 @@
-"""Per-step time of one model and batch three ways, interleaved in ONE process so machine noise cancels:
+"""Per-step time of one model and batch several ways, interleaved in ONE process so machine noise cancels:
 
-    bare        the fastest single-process loop we write by hand: the packed train set as one tensor in
-                memory, batches gathered by index (no DataLoader, no collate), forward, backward, clip, LR,
-                AdamW step, a host sync at logging steps only (as nanoGPT's train.py feeds its batches)
-    accelerate  train/main.py's train() with an Accelerator (1 process)
-    torch       the same train() with torch_ddp.TorchDDP (1 process)
+    bare        the fastest loop we write by hand: the packed train set as one tensor in memory, batches
+                gathered by index (no DataLoader, no collate), forward, backward, clip, LR, AdamW step, a host
+                sync at logging steps only (as nanoGPT's train.py feeds its batches)
+    accelerate  train/main.py's train() with an Accelerator
+    torch       the same train() with torch_ddp.TorchDDP
     streaming   with `--streaming`: the accelerate variant reading the same text as a stream (train/streaming.py:
                 tokenized and packed as it is read, each step), instead of the map-style blocks tokenized once
     nanogpt     with `--nanogpt PATH` (a checkout of karpathy/nanoGPT, never copied here): nanoGPT's own
@@ -14,9 +14,10 @@
 Each variant runs in its own thread. The threads start one after another: each one's set-up and first step
 run alone. Then a baton lets one thread at a time run a block of `--block` optimizer steps, in an order that
 rotates every round, so each round times the variants back to back. The first `--warmup` rounds (allocator,
-caches, compilation) are not counted. Reported: per variant the median time per step, tokens/s, the share of
-step time spent waiting for the next batch and the final train loss; and the ratios accelerate/bare and
-torch/accelerate as the MEDIAN OF PER-ROUND RATIOS with their spread (lowest and highest round). Two
+caches, compilation) are not counted. Reported per variant: the median time per step, tokens/s, the share of
+step time spent waiting for the next batch, the final train loss (of the final weights, on the same fixed
+sample of training blocks for every variant) and, on GPUs, MFU and peak memory. The ratios accelerate/bare and
+torch/accelerate are the MEDIAN OF PER-ROUND RATIOS with their spread (lowest and highest round). Two
 back-to-back runs agreeing within 2% is what `--repeat 2` shows.
 
 `--processes N` runs the same interleaving in N processes, started as the default CPU job is (`accelerate launch
@@ -28,14 +29,15 @@ rank runs the same sequence of blocks, so their collectives meet. Rank 0 reports
     python bench/throughput.py --rounds 20 --block 10 --n_layer 4 --n_embd 128 --block_size 64 --batch_size 12
     python bench/throughput.py --fixed_cost                 # 1 layer, width 32: per-step overhead in microseconds
     python bench/throughput.py --repeat 2                   # the same measurement twice, back to back
-    python bench/throughput.py --processes 2                # the default 2-process CPU job's set-up
+    python bench/throughput.py --processes 2                # 2 processes, launched as the default CPU job is
+    python bench/throughput.py --config "" --processes 2    # the default job itself: TrainConfig's defaults
     python bench/throughput.py --startup                    # launch to first optimizer step, 2 processes
     python bench/throughput.py --streaming                  # the streamed corpus against the map-style one
     python bench/throughput.py --quick                      # seconds: the test suite's smoke run
     python bench/throughput.py --nanogpt ../nanoGPT --n_layer 4 --n_head 4 --n_embd 128 --block_size 64 \
         --batch_size 12                                     # the issue's side-by-side config
 
-Any further flags are TrainConfig flags, shared by all three variants; `--out FILE` also writes the
+Any further flags are TrainConfig flags, shared by all the variants; `--out FILE` also writes the
 figures as JSON. The loader wait is the time spent in `next()` on the training stream (data.TrainBatches,
 wrapped from outside, as the tests inject faults), and in the bare loop's own batch gathering.
 """
@@ -139,7 +141,8 @@ class Baton:
         self.seconds = {name: [] for name in names}  # per block
         self.waits = {name: [] for name in names}  # loader wait per block
         self.wait = 0.0
-        self.losses = {name: [] for name in names}  # train loss at logging steps
+        self.final_loss: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}  # GPU memory, highest over the variant's blocks
         self.errors: list[BaseException] = []
 
     def step(self, name: str) -> None:
@@ -152,6 +155,7 @@ class Baton:
                 _sync()
                 self.seconds[name].append(time.perf_counter() - self.started)
                 self.waits[name].append(self.wait)
+                self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), _peak_memory(reset=True))
                 if len(self.seconds[name]) == self.rounds:
                     return  # its last block: it keeps the baton until its train() has returned (finish)
                 self._hand_over()
@@ -163,6 +167,7 @@ class Baton:
             self.cond.wait_for(lambda: self.holder == name or self.errors)
             if self.errors:
                 raise RuntimeError("stopped: another variant failed")
+            _peak_memory(reset=True)  # the next block's peak is this variant's alone
             self.count, self.wait, self.started = 0, 0.0, time.perf_counter()
 
     def wait_until_ready(self, name: str) -> bool:
@@ -204,8 +209,21 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _peak_memory(reset: bool) -> int:
+    """Bytes of GPU memory allocated at most since the last reset (0 without a GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    peak = torch.cuda.max_memory_allocated()
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
 def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dict:
     """Run the variants interleaved in this process; return per-variant figures and per-round ratios."""
+    import torch
     import torch.distributed as dist
 
     import data
@@ -214,6 +232,8 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     import torch_ddp
     from config import load_config
     from job import init_process_group
+    from model import build_model
+    from tracking import flops_per_token, peak_flops_per_gpu
 
     cfg = load_config(train_args)
     configs = {name: load_config([*train_args, *(["--streaming", "true"] if name == "streaming" else [])])
@@ -221,6 +241,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         init_process_group(cfg.dist_timeout_s)  # once, for every variant: each plumbing would start its own
         accelerate_main.init_process_group = torch_ddp.init_process_group = lambda timeout_s: None
+    sample = data.build_datasets(cfg)[0][:FINAL_LOSS_BLOCKS]["input_ids"]
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
@@ -239,21 +260,27 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
             cfg = configs[name]
             cfg.output_dir = str(workdir / name)
             if name == "bare":
-                bare_loop(cfg, baton)
+                bare_loop(cfg, baton, sample)
             elif name == "nanogpt":
-                nanogpt_loop(cfg, baton, Path(opts["nanogpt"]), workdir)
+                nanogpt_loop(cfg, baton, sample, Path(opts["nanogpt"]), workdir)
             else:
                 plumbing = torch_ddp.TorchDDP(cfg) if name == "torch" else accelerate_main.build_accelerator(cfg)
                 accelerate_main.train(cfg, plumbing)
+                model = trained[name]
+                baton.final_loss[name] = sample_loss(lambda x: model(input_ids=x, labels=x).loss, model, sample)
         except BaseException as e:  # noqa: BLE001 - reported after the other threads are released
             error = e
         baton.finish(name, error)
 
-    original_step = accelerate_main.Throughput.step
+    original_step, original_export, trained = accelerate_main.Throughput.step, accelerate_main.export_model, {}
 
     def step(self):
         original_step(self)
         baton.step(local.name)
+
+    def export_model(plumbing, model, output_dir):  # train()'s last act: keep its model for sample_loss
+        trained[local.name] = plumbing.unwrap_model(model, keep_torch_compile=False)
+        return original_export(plumbing, model, output_dir)
 
     with tempfile.TemporaryDirectory() as own_folder:
         shared = [own_folder]
@@ -261,7 +288,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
             dist.broadcast_object_list(shared)
         workdir = Path(shared[0])
         data.TrainBatches.__next__ = streaming.StreamBatches.__next__ = timed_next
-        accelerate_main.Throughput.step = step
+        accelerate_main.Throughput.step, accelerate_main.export_model = step, export_model
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # train()'s log lines
                 threads = [threading.Thread(target=run, args=(name, workdir), name=name) for name in variants]
@@ -274,21 +301,23 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         finally:
             for stream, original in next_batch.items():
                 stream.__next__ = original
-            accelerate_main.Throughput.step = original_step
-        for name in variants:  # train()'s loss rows, written by rank 0
-            metrics = workdir / name / "metrics.jsonl"
-            if metrics.exists():
-                rows = (json.loads(line) for line in metrics.read_text().splitlines())
-                baton.losses[name] = [row["loss"] for row in rows if "loss" in row]
+            accelerate_main.Throughput.step, accelerate_main.export_model = original_step, original_export
         if dist.is_initialized() and not baton.errors:
             dist.barrier()  # every rank is done with rank 0's folder before it goes
     if baton.errors:
         raise baton.errors[0]
-    tokens = cfg.batch_size * cfg.grad_accum_steps * cfg.block_size * int(os.environ.get("WORLD_SIZE", "1"))
-    return summarize(baton, opts["warmup"], block, tokens, train_args)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens = cfg.batch_size * cfg.grad_accum_steps * cfg.block_size * world_size
+    summary = summarize(baton, opts["warmup"], block, tokens, train_args)
+    peak = _on_gpu() and cfg.mixed_precision in ("bf16", "fp16") and peak_flops_per_gpu(torch.cuda.get_device_name())
+    if peak:  # MFU against the dense bf16 peak, as train() logs it (PaLM's FLOPs per token)
+        model_flops = flops_per_token(build_model(cfg))
+        for name in variants:
+            summary[name]["mfu"] = summary[name]["tokens_per_s"] * model_flops / (peak * world_size)
+    return summary
 
 
-def bare_loop(cfg, baton: Baton) -> None:
+def bare_loop(cfg, baton: Baton, sample) -> None:
     """The reference: what the fastest hand-written loop does per step, nothing more (several processes: plain DDP,
     each rank taking its slice of every global batch)."""
     import torch
@@ -327,8 +356,10 @@ def bare_loop(cfg, baton: Baton) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % cfg.log_every == 0:
-            baton.losses["bare"].append(loss.item())  # a logging loop waits for the device here, and only here
+            loss.item()  # a logging loop waits for the device here, and only here
         baton.step("bare")
+    plain = getattr(model, "module", model)
+    baton.final_loss["bare"] = sample_loss(lambda x: plain(input_ids=x, labels=x).loss, plain, sample)
 
 
 def _world() -> tuple[int, int]:
@@ -349,7 +380,7 @@ def _no_sync(model, skip: bool):
     return model.no_sync() if skip and hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def nanogpt_loop(cfg, baton: Baton, checkout: Path, workdir: str) -> None:
+def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> None:
     """nanoGPT's train.py loop around nanoGPT's own model.py (imported from the checkout), on the same bytes."""
     import importlib.util
     import math
@@ -373,6 +404,7 @@ def nanogpt_loop(cfg, baton: Baton, checkout: Path, workdir: str) -> None:
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=256, n_layer=cfg.n_layer, n_head=cfg.n_head,
                           n_embd=cfg.n_embd, dropout=cfg.dropout, bias=True)).to(device)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device)
+    plain = model
     model = torch.compile(model) if cfg.compile else model
     model = _ddp(model) if world_size > 1 else model
     ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
@@ -414,8 +446,24 @@ def nanogpt_loop(cfg, baton: Baton, checkout: Path, workdir: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % cfg.log_every == 0:
-            baton.losses["nanogpt"].append(loss.item() * cfg.grad_accum_steps)
+            loss.item()
         baton.step("nanogpt")
+    baton.final_loss["nanogpt"] = sample_loss(lambda x: plain(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1],
+                                              plain, sample)
+
+
+FINAL_LOSS_BLOCKS = 256  # the first training blocks: one fixed sample, the same for every variant
+
+
+def sample_loss(loss_of, model, sample) -> float:
+    """The final weights' mean next-token loss on `sample` (the same 63 predictions per block for every model): the
+    train loss at the end, without the batch-to-batch noise of one logged step."""
+    import torch
+
+    model.eval()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return statistics.mean(loss_of(chunk.to(device)).item() for chunk in sample.split(32))
 
 
 def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train_args: list[str]) -> dict:
@@ -428,9 +476,8 @@ def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train
         waits = [w / s for w, s in zip(baton.waits[name][warmup:], counted[name], strict=True)]
         step = statistics.median(step_times)
         summary[name] = {"step_time_s": step, "step_time_us": 1e6 * step, "tokens_per_s": tokens_per_step / step,
-                         "loader_wait_frac": statistics.median(waits),
-                         # the last three logged (one step each; rank 0's for the bare and nanoGPT loops)
-                         "final_loss": statistics.mean(baton.losses[name][-3:]) if baton.losses[name] else None}
+                         "loader_wait_frac": statistics.median(waits), "final_loss": baton.final_loss[name],
+                         "peak_mem_gib": baton.peak_bytes.get(name, 0) / 2**30}
     for key, top, bottom in (("accelerate_over_bare", "accelerate", "bare"),
                              ("torch_over_accelerate", "torch", "accelerate"),
                              ("streaming_over_accelerate", "streaming", "accelerate"),
@@ -455,9 +502,10 @@ def report(summary: dict) -> str:
     for name in (name for name in (*VARIANTS, "streaming", "nanogpt") if name in summary):
         r = summary[name]
         step = f"{r['step_time_us']:.0f} us" if r["step_time_s"] < 0.01 else f"{1e3 * r['step_time_s']:.2f} ms"
-        loss = "" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
+        gpu = f"  MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
+        gpu += f"  peak memory {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else ""
         lines.append(f"{name:<11} {step:>12} {r['tokens_per_s']:>12,.0f} {100 * r['loader_wait_frac']:>11.2f}% "
-                     f"{loss:>11}")
+                     f"{r['final_loss']:>11.4f}{gpu}")
     for key, label, target in (("accelerate_over_bare", "accelerate / bare:  ", "target <= 1.02"),
                                ("torch_over_accelerate", "torch / accelerate: ", "target 0.98 .. 1.02"),
                                ("streaming_over_accelerate", "streaming / map:    ", "step time, streamed / map-style"),

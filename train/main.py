@@ -106,7 +106,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     if not cfg.streaming:
         sampler = EpochSampler(len(train_set), cfg.seed, global_batch)  # the order: a function of (seed, epoch)
         train_loader = DataLoader(fast_reader(train_set), sampler=sampler, drop_last=True, **loader_args)
-    eval_loader = DataLoader(eval_set, **loader_args)
+    eval_loader = DataLoader(fast_reader(eval_set), **loader_args)
     # ---------------------------------------------------------------- model and optimizer
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     model = build_model(cfg)
