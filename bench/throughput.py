@@ -388,7 +388,7 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     import numpy as np
     import torch
 
-    from data import build_datasets
+    from data import build_datasets, vocab_size
 
     spec = importlib.util.spec_from_file_location("nanogpt_model", checkout / "model.py")  # ours is `model` too
     nanogpt = importlib.util.module_from_spec(spec)
@@ -401,8 +401,8 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     np.asarray(train_set[:]["input_ids"], dtype=np.uint16).reshape(-1).tofile(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=256, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                          n_embd=cfg.n_embd, dropout=cfg.dropout, bias=True)).to(device)
+    model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size(cfg), n_layer=cfg.n_layer,
+                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=True)).to(device)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device)
     plain = model
     model = torch.compile(model) if cfg.compile else model
