@@ -241,7 +241,8 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         init_process_group(cfg.dist_timeout_s)  # once, for every variant: each plumbing would start its own
         accelerate_main.init_process_group = torch_ddp.init_process_group = lambda timeout_s: None
-    sample = data.build_datasets(cfg)[0][:FINAL_LOSS_BLOCKS]["input_ids"]
+    with _rank_zero_first():  # it fills the datasets cache, which the other ranks (and the variants) then read
+        sample = data.build_datasets(cfg)[0][:FINAL_LOSS_BLOCKS]["input_ids"]
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
@@ -315,6 +316,18 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         for name in variants:
             summary[name]["mfu"] = summary[name]["tokens_per_s"] * model_flops / (peak * world_size)
     return summary
+
+
+@contextlib.contextmanager
+def _rank_zero_first():
+    import torch.distributed as dist
+
+    waiting = dist.is_initialized() and dist.get_rank() != 0
+    if waiting:
+        dist.barrier()
+    yield
+    if dist.is_initialized() and not waiting:
+        dist.barrier()
 
 
 def bare_loop(cfg, baton: Baton, sample) -> None:
@@ -548,8 +561,6 @@ if accelerator.is_main_process:
 def measure_startup(train_args: list[str], launches: int) -> dict:
     """Seconds from the launch command to the first optimizer step (the first metrics row; the minimal script's
     marker file), 2 processes, each launch alone on the machine; the median of `launches`."""
-    import subprocess
-
     from config import load_config
 
     cfg = load_config(train_args)
