@@ -114,8 +114,8 @@ def data_identity(cfg, train_set) -> dict:
 
 class ArrowBlocks(torch.utils.data.Dataset):
     """Packed blocks read as numpy views of datasets' memory-mapped Arrow cache, as nanoGPT reads its memmap: no
-    copy of the data, no per-row formatting (565 -> 77 us per batch of 8 x 64 tokens, measured). `fast_reader`
-    decides when a dataset qualifies."""
+    copy of the data, no per-row formatting (a DataLoader batch of 8 x 64 tokens: 554 -> 144 us, measured).
+    `fast_reader` decides when a dataset qualifies."""
 
     def __init__(self, dataset):
         self.dataset, self._views = dataset, None
