@@ -415,7 +415,7 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size(cfg), n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=True)).to(device)
+                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)).to(device)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device)
     plain = model
     model = torch.compile(model) if cfg.compile else model

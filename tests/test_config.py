@@ -47,6 +47,7 @@ def test_shipped_presets_load():
     (["--resume", "/no/such/checkpoint"], "resume must be '', 'latest' or an existing folder"),
     (["--dropout", "1.5"], "dropout must be in [0, 1)"),
     (["--compile", "maybe"], "compile must be a bool (got 'maybe')"),
+    (["--model", "gpt2", "--bias", "true"], "bias applies to the built-in gpt only"),
     (["--lr"], "lr needs a value"),
     (["--lr", "--max_steps", "20"], "lr needs a value (--lr VALUE; got the next flag --max_steps)"),
     (["--lr_decay_steps", "-5"], "lr_decay_steps must be >= 0"),

@@ -39,6 +39,17 @@ def test_per_sample_loss_matches_mean_and_ignores_minus_100():
     assert torch.allclose(causal_lm_loss(logits, masked)[0], expected)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bias_switches_the_biases_of_every_linear_and_norm_layer(bias):
+    model = build_model(tiny_cfg(bias=bias))
+    names = [name for name, _ in model.named_parameters() if name.endswith(".bias")]
+    # per block: qkv, proj, fc, mlp proj, 2 norms; plus the final norm (the tied output layer never has one)
+    assert len(names) == (2 * 6 + 1 if bias else 0)
+    ids = torch.randint(0, VOCAB_SIZE, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(parameter.grad is not None for parameter in model.parameters())
+
+
 def test_overfits_one_batch():
     torch.manual_seed(0)
     model = build_model(tiny_cfg())

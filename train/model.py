@@ -27,7 +27,7 @@ def build_model(cfg) -> nn.Module:
     if cfg.model != "gpt":
         return hugging_face_model(cfg)
     return GPT(vocab_size=vocab_size(cfg), block_size=cfg.block_size, n_layer=cfg.n_layer,
-               n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
+               n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)
 # <<< FORK POINT 1
 
 
@@ -48,11 +48,11 @@ class CausalLMOutput:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
         super().__init__()
         self.n_head, self.dropout = n_head, dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
-        self.proj = nn.Linear(n_embd, n_embd)
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.proj.residual_scaled = True
         self.resid_dropout = nn.Dropout(dropout)
 
@@ -67,10 +67,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int, dropout: float):
+    def __init__(self, n_embd: int, dropout: float, bias: bool):
         super().__init__()
-        self.fc = nn.Linear(n_embd, 4 * n_embd)
-        self.proj = nn.Linear(4 * n_embd, n_embd)
+        self.fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
         self.proj.residual_scaled = True
         self.dropout = nn.Dropout(dropout)
 
@@ -79,11 +79,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
         super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
-        self.mlp = MLP(n_embd, dropout)
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd, bias=bias), nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.mlp = MLP(n_embd, dropout, bias)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -94,14 +94,14 @@ class GPT(nn.Module):
     _no_split_modules = ["Block"]  # the unit FSDP shards and activation checkpointing recomputes (Hugging Face's name)
 
     def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, bias: bool = False):
         super().__init__()
         self.block_size = block_size
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying: one matrix embeds and un-embeds
         self.apply(self._init_weights)
