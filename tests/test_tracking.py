@@ -12,12 +12,14 @@ from tracking import MetricsLogger, Throughput, flops_per_token, peak_flops_per_
 
 
 @pytest.mark.shipped
-def test_flops_per_token_matches_a_hand_count():
-    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=4)
-    d, L, T, V = 8, 2, 4, 256
-    per_block = (2 * d) + (3 * d * d + 3 * d) + (d * d + d) + (2 * d) + (4 * d * d + 4 * d) + (4 * d * d + d)
-    #             ln_1       qkv                 attn proj     ln_2      fc                    mlp proj
-    params = V * d + L * per_block + 2 * d  # tied embedding/output + blocks + final norm; no position table
+@pytest.mark.parametrize("bias", [False, True])
+def test_flops_per_token_matches_a_hand_count(bias):
+    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, bias=bias)
+    d, L, T, V, b = 8, 2, 4, 256, int(bias)  # b: a bias per output (linear) or per feature (norm), if any
+    per_block = (d + b * d) + (3 * d * d + b * 3 * d) + (d * d + b * d) + (d + b * d) + (4 * d * d + b * 4 * d) \
+        + (4 * d * d + b * d)
+    #   ln_1           qkv                      attn proj          ln_2           fc                      mlp proj
+    params = V * d + L * per_block + (d + b * d)  # tied embedding/output + blocks + final norm; no position table
     expected = 6 * params + 12 * L * d * T
     model = build_model(cfg)
     assert sum(p.numel() for p in model.parameters()) == params + T * d  # the position table is the rest
