@@ -215,7 +215,9 @@ def check_weights(path: Path, module: torch.nn.Module) -> None:
     problems += [f"missing {k}" for k in expected if k not in stored]  # tied weights are stored once
     if problems:
         raise CheckpointError(f"{path} does not fit this model: {'; '.join(problems[:4])}"
-                              + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""))
+                              + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
+                              + "; build the model as it was saved (the config.yaml beside it: model, n_layer, "
+                                "n_embd, bias, ...)")
 
 
 def _read(path: Path):
