@@ -1,25 +1,30 @@
-"""Checkpoints: their layout, the save transaction, the final export (reading them back: resume.py).
+"""Checkpoints: the format, in both directions, and the transaction that writes them.
 
-    <output_dir>/checkpoints/step_00000100/     a committed checkpoint: one file (or one per process) per part
+    <output_dir>/checkpoints/step_00000100/     a committed checkpoint: the files of its parts
         model.safetensors  optimizer.pt  train_state.json  data.json  rng_rank{r}.pt  [scaler.json]  [ema...]
         (sharded, FSDP: model/ and optimizer/, torch.distributed.checkpoint folders with a file per process)
-        config.yaml (the resolved config)   manifest.json (last: the run's geometry, names, sizes, xxh3 checksums)
+        config.yaml (the resolved config)   manifest.json (last: the run's geometry, parts, sizes, checksums)
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
     <output_dir>/model.safetensors              the exported model at the end of training
 
-A checkpoint holds named state parts, objects with state_dict() / load_state_dict() (checkpoint_parts). A save
-is one transaction: tmp folder, every process writes its parts, all vote (a failure on any process is an error
-on every process, job.collectively), the manifest last, one rename publishes, then older ones are pruned.
-The main process writes the shared files; on node-local disks (`--shared_filesystem false`) each node's local
-main process does. Both plumbings use these functions: a checkpoint of one resumes under the other. The template
-owns the format instead of `accelerator.save_state`, which writes straight into its final folder, pickles RNG
-states, and trains on after a refused RNG file (RELIABILITY.md, measured).
+A checkpoint holds named parts. Each part is of one kind, a small class below that knows its files, saves and
+loads itself, and says what happens on another world size:
+    Weights      a module's weights, <name>.safetensors, by the writer
+    Sharded      a sharded (FSDP) model's or optimizer's state, <name>/, every process its shards (DCP)
+    PerProcess   a state of each process, <name>_rank{r}.pt (this process's RNG, a stream's position)
+    Plain        any state_dict() of plain values or tensors, <name>.json or <name>.pt, by the writer
+A save is one transaction: tmp folder, every process writes its parts, all vote (a failure on any process is an
+error on every process, plumbing.collectively), the manifest last, one rename publishes, then older checkpoints
+are pruned. Reading back (load_checkpoint) checks every part before any is changed. Which checkpoint to resume
+and what must match is resume.py's policy. The template owns this format instead of `accelerator.save_state`,
+which writes straight into its final folder, pickles RNG states, and trains on after a refused RNG file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -31,22 +36,21 @@ import numpy as np
 import torch
 import xxhash
 import yaml
-from safetensors.torch import save_file, save_model
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model, save_file, save_model
 
-from config import ConfigError
-from job import collectively, is_writer
+from errors import CheckpointError, first_line
+from plumbing import collectively, is_writer
 
 STEP_PREFIX = "step_"
 COMMITTED_NAME = re.compile(r"step_\d{8}")  # not step_N.tmp (being written) nor step_N.stale (being replaced)
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed (missing, damaged, or from another run): one line, exit 2."""
+MANIFEST = "manifest.json"
 
 
 @dataclass
 class TrainState:
-    """Where training is (a checkpoint part). Samples seen = step x global batch; the data position: data.py."""
+    """Where training is (a checkpoint part). Samples seen = step x global batch; the data position is its own
+    part (batches.py, streaming.py)."""
 
     step: int = 0  # optimizer steps completed
     tracker_run_id: str = ""  # the W&B run to continue on resume
@@ -63,13 +67,14 @@ class TrainState:
 class ProcessRNG:
     """This process's random generators (Python, NumPy, torch, CUDA), as tensors and lists (weights_only)."""
 
-    per_process = True  # written by every process, as <name>_rank{r}.pt
-
     def state_dict(self) -> dict:
         np_state = np.random.get_state()
         version, words, gauss = random.getstate()
-        state = {"python": [version, list(words), gauss],
-                 "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]], "torch": torch.get_rng_state()}
+        state = {
+            "python": [version, list(words), gauss],
+            "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": torch.get_rng_state(),
+        }
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
@@ -84,29 +89,165 @@ class ProcessRNG:
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class ShardedState:
-    """A sharded (FSDP) model's weights, or with `optimizer` that optimizer's state: every process writes and reads
-    its own shards through torch.distributed.checkpoint (DCP), which reshards on a resume at another world size."""
+# ---------------------------------------------------------------- the kinds of part
 
-    sharded = True  # written as the folder <name>/: a .distcp file per process, and .metadata
 
-    def __init__(self, model, optimizer=None):
-        self.model, self.optimizer = model, optimizer
+class Weights:
+    """A module's weights as <name>.safetensors (tied weights stored once), written by the writer."""
+
+    bound_to_world_size = False  # the same file at any world size
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def files(self, name: str, ranks: range) -> list[str]:
+        return [f"{name}.safetensors"]
+
+    def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
+        if writer:
+            save_safetensors(self.module, folder / f"{name}.safetensors")
+
+    def check(self, folder: Path, name: str, plumbing) -> None:
+        check_weights(folder / f"{name}.safetensors", self.module)
+
+    def load(self, folder: Path, name: str, plumbing) -> None:
+        load_model(self.module, str(folder / f"{name}.safetensors"))  # via CPU, copied in place
+
+
+class Sharded:
+    """A sharded (FSDP) model's weights, or with `optimizer` that optimizer's state: every process writes and
+    reads its own shards through torch.distributed.checkpoint (DCP), as the folder <name>/ (a .distcp file per
+    process, and .metadata). DCP reshards on a resume at another world size."""
+
+    bound_to_world_size = False
+
+    def __init__(self, module, optimizer=None):
+        self.module = module
+        self.optimizer = optimizer
+
+    def files(self, name: str, ranks: range) -> list[str]:
+        return []  # DCP names its own files: the manifest lists what it wrote
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         if self.optimizer is None:
-            return get_model_state_dict(self.model)
-        return get_optimizer_state_dict(self.model, self.optimizer)
+            return get_model_state_dict(self.module)
+        return get_optimizer_state_dict(self.module, self.optimizer)
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         if self.optimizer is None:
-            set_model_state_dict(self.model, state)
+            set_model_state_dict(self.module, state)
         else:
-            set_optimizer_state_dict(self.model, self.optimizer, state)
+            set_optimizer_state_dict(self.module, self.optimizer, state)
+
+    def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
+        self._dcp(folder, name, load=False)  # collective: every process its shards, rank 0 the metadata
+
+    def check(self, folder: Path, name: str, plumbing) -> None:
+        if not (folder / name).is_dir():
+            raise sharding_mismatch(folder, name, saved="unsharded", now="sharded")
+
+    def load(self, folder: Path, name: str, plumbing) -> None:
+        self._dcp(folder, name, load=True)
+
+    def _dcp(self, folder: Path, name: str, load: bool) -> None:
+        """DCP reports a failure on any process to all of them as one BaseException: re-raised here as the
+        first process's error."""
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            if load:
+                dcp.load({name: self}, checkpoint_id=folder / name)
+            else:
+                dcp.save({name: self}, checkpoint_id=folder / name)
+        except dcp.api.CheckpointException as e:
+            error = next(iter(e.failures.values()))[0]
+            raise error if isinstance(error, Exception) else RuntimeError(str(error)) from None
+
+
+class PerProcess:
+    """A state each process has its own of, as <name>_rank{r}.pt, written and read by that process. On another
+    world size there is no state for the new processes: a part `bound_to_world_size` (a stream's position)
+    refuses the resume, any other (the RNG) starts afresh."""
+
+    def __init__(self, state, bound_to_world_size: bool):
+        self.state = state
+        self.bound_to_world_size = bound_to_world_size
+
+    def files(self, name: str, ranks: range) -> list[str]:
+        return [f"{name}_rank{rank}.pt" for rank in ranks]
+
+    def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
+        write_file(folder / f"{name}_rank{plumbing.process_index}.pt", self.state.state_dict())
+
+    def check(self, folder: Path, name: str, plumbing) -> None:
+        read_file(folder / f"{name}_rank{plumbing.process_index}.pt")
+
+    def load(self, folder: Path, name: str, plumbing) -> None:
+        self.state.load_state_dict(read_file(folder / f"{name}_rank{plumbing.process_index}.pt"))
+
+
+class Plain:
+    """Any object with state_dict() / load_state_dict(), written by the writer: <name>.json if its state is
+    plain values, else <name>.pt (tensors, read back weights_only)."""
+
+    bound_to_world_size = False
+
+    def __init__(self, state):
+        self.state = state
+
+    def files(self, name: str, ranks: range) -> list[str]:
+        return []  # .json or .pt, decided by the state when it is written
+
+    def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
+        if not writer:
+            return
+        state = self.state.state_dict()
+        try:
+            encoded = json.dumps(state, indent=2).encode()
+        except TypeError:  # not JSON: it holds tensors
+            write_file(folder / f"{name}.pt", state)
+            return
+        write_file(folder / f"{name}.json", encoded)
+
+    def check(self, folder: Path, name: str, plumbing) -> None:
+        self._saved = read_file(self._path(folder, name))
+
+    def load(self, folder: Path, name: str, plumbing) -> None:
+        self.state.load_state_dict(self._saved)
+
+    @staticmethod
+    def _path(folder: Path, name: str) -> Path:
+        json_file = folder / f"{name}.json"
+        return json_file if json_file.is_file() else folder / f"{name}.pt"
+
+
+def as_part(value):
+    """The kind of part for a value given to checkpoint_parts: a module's weights, or plain state."""
+    if isinstance(value, (Weights, Sharded, PerProcess, Plain)):
+        return value
+    if isinstance(value, torch.nn.Module):
+        return Weights(value)
+    return Plain(value)
+
+
+def checkpoint_parts(plumbing, model, optimizer, **others) -> dict:
+    """The named parts a checkpoint saves and a resume restores: the model and optimizer (sharded under FSDP),
+    the ones given, this process's RNG, and fp16's loss scaler. A fork adds its own in one line, before the
+    resume: parts["ema"] = ema_model."""
+    module = plumbing.unwrap_model(model, keep_torch_compile=False)
+    if is_sharded(module):  # no process holds all of it: each writes its shards
+        parts = {"model": Sharded(module), "optimizer": Sharded(module, optimizer)}
+    else:
+        parts = {"model": Weights(module), "optimizer": Plain(optimizer)}
+    parts.update(others)
+    parts["rng"] = PerProcess(ProcessRNG(), bound_to_world_size=False)
+    if plumbing.scaler is not None:
+        parts["scaler"] = plumbing.scaler
+    return parts
 
 
 def is_sharded(module) -> bool:
@@ -114,31 +255,15 @@ def is_sharded(module) -> bool:
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
-def tied_weights(module) -> list[list[str]]:
-    """Groups of names that share one parameter (GPT's wte.weight and lm_head.weight): a weights file holds one."""
-    names = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+def sharding_mismatch(folder: Path, name: str, saved: str, now: str) -> CheckpointError:
+    return CheckpointError(
+        f"{folder} holds {name} {saved} and this run's is {now} (fsdp, or the accelerate config): resume with "
+        f"the setting it was saved with, or start a new run from its weights with --init_from "
+        f"(python scripts/consolidate.py makes one file of them)"
+    )
 
 
-def checkpoint_parts(plumbing, **parts) -> dict:
-    """The named parts a checkpoint saves and a resume restores: the ones given, this process's RNG, and
-    fp16's loss scaler. A fork adds its own in one line, before the resume: parts["ema"] = ema_model."""
-    model = plumbing.unwrap_model(parts["model"], keep_torch_compile=False)
-    if is_sharded(model):  # no process holds all of it: each writes its shards
-        parts["model"], parts["optimizer"] = ShardedState(model), ShardedState(model, parts["optimizer"])
-    parts["rng"] = ProcessRNG()
-    if plumbing.scaler is not None:
-        parts["scaler"] = plumbing.scaler
-    return parts
-
-
-def run_geometry(plumbing, cfg) -> dict:
-    """How the run splits its global batch; a resume needs the same global_batch and block_size, not the rest."""
-    return {"world_size": plumbing.num_processes, "batch_size": cfg.batch_size, "grad_accum_steps":
-            cfg.grad_accum_steps, "global_batch": cfg.batch_size * cfg.grad_accum_steps * plumbing.num_processes,
-            "block_size": cfg.block_size}
+# ---------------------------------------------------------------- where checkpoints are
 
 
 def checkpoint_root(output_dir: str) -> Path:
@@ -147,8 +272,11 @@ def checkpoint_root(output_dir: str) -> Path:
 
 def committed_checkpoints(output_dir: str) -> list[Path]:
     """Complete checkpoints, oldest first. A folder without a manifest (a crash mid-save) is ignored."""
-    found = [p for p in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*")
-             if COMMITTED_NAME.fullmatch(p.name) and (p / "manifest.json").is_file()]
+    found = [
+        path
+        for path in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*")
+        if COMMITTED_NAME.fullmatch(path.name) and (path / MANIFEST).is_file()
+    ]
     return sorted(found)  # zero-padded step numbers sort as text
 
 
@@ -156,78 +284,91 @@ def latest_checkpoint(output_dir: str) -> Path | None:
     return next(reversed(committed_checkpoints(output_dir)), None)
 
 
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name[len(STEP_PREFIX) :])
+
+
 # ---------------------------------------------------------------- save
 
 
+def run_geometry(plumbing, cfg) -> dict:
+    """How the run splits its global batch; a resume needs the same global_batch and block_size, not the rest."""
+    return {
+        "world_size": plumbing.num_processes,
+        "batch_size": cfg.batch_size,
+        "grad_accum_steps": cfg.grad_accum_steps,
+        "global_batch": cfg.batch_size * cfg.grad_accum_steps * plumbing.num_processes,
+        "block_size": cfg.block_size,
+    }
+
+
 def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Path:
-    """Write, vote, publish by rename, prune. Collective: call on all ranks; a failure anywhere raises everywhere."""
+    """Write, vote, publish by rename, prune. The manifest records the run's geometry and data `identity`, what
+    a resume must find unchanged (resume.py). Collective: call on all ranks; a failure anywhere raises
+    everywhere."""
+    run = {**run_geometry(plumbing, cfg), **identity}
     final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
-    writer = is_writer(plumbing, cfg)
-    collectively(plumbing, f"creating {tmp}", lambda: writer and (shutil.rmtree(tmp, ignore_errors=True),
-                                                                  tmp.mkdir(parents=True)))
+    writer = is_writer(plumbing, cfg.shared_filesystem)
+
+    def create_tmp():
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
 
     def write_parts():
         for name, part in parts.items():
-            write_part(tmp, name, part, plumbing, writer)
+            write_part(tmp, name, as_part(part), plumbing, writer)
         if writer:  # provenance: the whole resolved config
-            _write_file(tmp / "config.yaml", yaml.safe_dump(asdict(cfg), sort_keys=False).encode())
+            write_file(tmp / "config.yaml", yaml.safe_dump(asdict(cfg), sort_keys=False).encode())
 
-    collectively(plumbing, f"saving the checkpoint of step {step} to {tmp}", write_parts,
-                 on_failure=lambda: writer and shutil.rmtree(tmp, ignore_errors=True))
-    ranks = range(plumbing.num_processes)
-    if not cfg.shared_filesystem:  # this node's copy holds this node's ranks (torchrun sets these variables)
-        per_node, node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks))), int(os.environ.get("GROUP_RANK", "0"))
-        ranks = range(node * per_node, (node + 1) * per_node)
-    per_process = [name for name, part in parts.items() if getattr(part, "per_process", False)]
-    about = {"step": step, "run": {**run_geometry(plumbing, cfg), **identity}, "parts": sorted(parts)}
-    collectively(plumbing, f"committing {final}", lambda: writer and (
-        _publish(tmp, final, [f"{name}_rank{r}.pt" for name in per_process for r in ranks], about),
-        prune_checkpoints(cfg.output_dir, cfg.keep_last)))
+    def remove_tmp():
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def commit():
+        if writer:
+            expected = expected_files(parts, node_ranks(plumbing, cfg.shared_filesystem))
+            publish(tmp, final, expected, {"step": step, "run": run, "parts": sorted(parts)})
+            prune_checkpoints(cfg.output_dir, cfg.keep_last)
+
+    collectively(plumbing, f"creating {tmp}", create_tmp)
+    collectively(plumbing, f"saving the checkpoint of step {step} to {tmp}", write_parts, on_failure=remove_tmp)
+    collectively(plumbing, f"committing {final}", commit)
     return final
 
 
 def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
-    """A module as <name>.safetensors, a sharded part as <name>/ and a per-process part as <name>_rank{r}.pt by every
-    process, any other part by the writer: <name>.json if its state is plain values, else <name>.pt (tensors, read
-    back weights_only)."""
-    if getattr(part, "sharded", False):  # collective: every process writes its shards, rank 0 the metadata
-        sharded_io(folder, name, part)
-    elif getattr(part, "per_process", False):
-        _write_file(folder / f"{name}_rank{plumbing.process_index}.pt", part.state_dict())
-    elif not writer:
-        return
-    elif isinstance(part, torch.nn.Module):
-        save_safetensors(plumbing.unwrap_model(part, keep_torch_compile=False), folder / f"{name}.safetensors")
-    else:
-        state = part.state_dict()
-        try:
-            _write_file(folder / f"{name}.json", json.dumps(state, indent=2).encode())
-        except TypeError:  # not JSON (raised before the file is opened): it holds tensors
-            _write_file(folder / f"{name}.pt", state)
+    part.save(folder, name, plumbing, writer)
 
 
-def sharded_io(folder: Path, name: str, part, load: bool = False) -> None:
-    """torch.distributed.checkpoint's save or load of a sharded part as <folder>/<name>/ (collective). It reports a
-    failure on any process to all of them as one BaseException: re-raised here as the first process's error."""
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        (dcp.load if load else dcp.save)({name: part}, checkpoint_id=folder / name)
-    except dcp.api.CheckpointException as e:
-        error = next(iter(e.failures.values()))[0]
-        raise error if isinstance(error, Exception) else RuntimeError(str(error)) from None
+def node_ranks(plumbing, shared_filesystem: bool) -> range:
+    """The ranks whose files this writer's copy holds: all, or this node's on node-local disks."""
+    ranks = range(plumbing.num_processes)
+    if shared_filesystem:
+        return ranks
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))  # torchrun and accelerate set these
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    return range(node * per_node, (node + 1) * per_node)
 
 
-def _publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
+def expected_files(parts: dict, ranks: range) -> list[str]:
+    return [file for name, part in parts.items() for file in as_part(part).files(name, ranks)]
+
+
+def publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
     """Manifest last, then one rename: a checkpoint is either complete under its final name or absent."""
     missing = [name for name in expected if not (tmp / name).is_file()]
     if missing:
-        raise CheckpointError(f"checkpoint of step {about['step']} is missing {', '.join(missing)}: is output_dir "
-                              f"on a filesystem every node sees? If not, pass --shared_filesystem false")
-    files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "xxh3_64": file_digest(p)}
-             for p in sorted(tmp.rglob("*")) if p.is_file()}
-    _write_file(tmp / "manifest.json", json.dumps({**about, "files": files}, indent=2).encode())
+        raise CheckpointError(
+            f"checkpoint of step {about['step']} is missing {', '.join(missing)}: is output_dir on a "
+            f"filesystem every node sees? If not, pass --shared_filesystem false"
+        )
+    files = {}
+    for path in sorted(tmp.rglob("*")):
+        if path.is_file():
+            files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "xxh3_64": file_digest(path)}
+    write_file(tmp / MANIFEST, json.dumps({**about, "files": files}, indent=2).encode())
     if final.exists():  # the same step saved again (a resumed run): keep the old one until the swap
         stale = final.with_name(final.name + ".stale")
         os.replace(final, stale)
@@ -235,83 +376,157 @@ def _publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
         shutil.rmtree(stale)
     else:
         os.replace(tmp, final)
-    directory = os.open(final.parent, os.O_RDONLY)  # the rename itself, durable
-    os.fsync(directory)
-    os.close(directory)
+    fsync_dir(final.parent)  # the rename itself, durable
 
 
 def recover_interrupted_swap(output_dir: str) -> None:
-    """A crash between _publish's two renames leaves step_N.stale (the old committed copy) and no step_N:
+    """A crash between publish's two renames leaves step_N.stale (the old committed copy) and no step_N:
     put it back. Called by the writer at start-up, under the run folder's lock."""
     for stale in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*.stale"):
         final = stale.with_suffix("")
-        shutil.rmtree(stale) if final.exists() else os.replace(stale, final)
+        if final.exists():
+            shutil.rmtree(stale)
+        else:
+            os.replace(stale, final)
 
 
 def prune_checkpoints(output_dir: str, keep_last: int) -> None:
     """Delete all but the newest `keep_last` committed checkpoints, and leftovers of crashed saves."""
     for old in committed_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old)
-    for leftover in [*checkpoint_root(output_dir).glob("*.tmp"), *checkpoint_root(output_dir).glob("*.stale")]:
+    root = checkpoint_root(output_dir)
+    for leftover in [*root.glob("*.tmp"), *root.glob("*.stale")]:
         shutil.rmtree(leftover, ignore_errors=True)  # called right after a commit: no save is in flight
 
 
-def save_safetensors(weights, path: Path, metadata: dict | None = None) -> None:
-    """A module's weights (or a state dict) as safetensors, with the mode any other file gets here (umask): safetensors
-    creates its files 0600, which teammates on a shared filesystem could not read."""
-    if isinstance(weights, torch.nn.Module):
-        save_model(weights, str(path))
-    else:
-        save_file(weights, str(path), metadata=metadata or None)
-    _umask_mode(path)
+# ---------------------------------------------------------------- read back
 
 
-def _umask_mode(path: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+def read_manifest(folder: Path) -> dict:
+    """What publish wrote: step, run (geometry and data identity), parts, files (bytes, xxh3_64)."""
+    return read_file(Path(folder) / MANIFEST)
 
 
-def _write_file(path: Path, data) -> None:
-    """Bytes as they are, anything else with torch.save; on disk (fsync) before a manifest can name it."""
-    with open(path, "wb") as f:
-        f.write(data) if isinstance(data, bytes) else torch.save(data, f)
-        f.flush()
-        os.fsync(f.fileno())
+def checkpoint_problem(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder (no manifest, a missing, truncated or altered file), or None."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no readable {MANIFEST} (not a checkpoint, or its save never finished)"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != expected["bytes"]:
+            return f"{name} is missing or not {expected['bytes']} bytes"
+        if file_digest(path) != expected["xxh3_64"]:
+            return f"{name} does not match its checksum (the file was altered or corrupted)"
+    return None
 
 
-def file_digest(path: Path) -> str:
-    digest = xxhash.xxh3_64()  # ~10 GB/s: checksumming costs far less than writing
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+def load_checkpoint(plumbing, folder: Path, parts: dict, same_world_size: bool) -> None:
+    """Restore every part in place, after checking each against this run first (weights' names and shapes,
+    sharded or not, every file readable): a refusal leaves everything as it was. On another world size,
+    per-process parts are not read (the policy, resume.py, has refused those bound to the world size)."""
+    kinds = {name: as_part(part) for name, part in parts.items()}
+    if not same_world_size:
+        kinds = {name: part for name, part in kinds.items() if not isinstance(part, PerProcess)}
+    for name, part in kinds.items():
+        if not isinstance(part, Sharded) and (folder / name).is_dir():
+            raise sharding_mismatch(folder, name, saved="sharded", now="unsharded")
+        part.check(folder, name, plumbing)
+    for name, part in kinds.items():
+        try:
+            part.load(folder, name, plumbing)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: its part '{name}' does not fit this run: {first_line(e)}") from None
+
+
+def check_weights(path: Path, module: torch.nn.Module) -> None:
+    """Raise listing mismatched names/shapes, before load_state_dict copies any tensor."""
+    expected = module.state_dict()
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a safetensors file: {e}") from None
+    problems = [f"unexpected {key}" for key in shapes if key not in expected]
+    for key in shapes:
+        if key in expected and shapes[key] != tuple(expected[key].shape):
+            problems.append(f"{key} {list(shapes[key])} vs model {list(expected[key].shape)}")
+    stored = set(shapes)
+    for group in tied_weights(module):  # tied weights are stored once
+        if set(group) & set(shapes):
+            stored |= set(group)
+    problems += [f"missing {key}" for key in expected if key not in stored]
+    if not problems:
+        return
+    more = f" (+{len(problems) - 4} more)" if len(problems) > 4 else ""
+    raise CheckpointError(
+        f"{path} does not fit this model: {'; '.join(problems[:4])}{more}; build the model as it was saved "
+        f"(the config.yaml beside it: model, n_layer, n_embd, bias, ...)"
+    )
+
+
+def load_weights_file(module: torch.nn.Module, path: Path) -> None:
+    """A weights file (checked first) into a module, sharded or not."""
+    check_weights(path, module)
+    if not is_sharded(module):
+        load_model(module, str(path))
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    weights = load_file(str(path))  # every process reads the whole file and keeps its shards
+    for group in tied_weights(module):  # the file holds one name of each tied group
+        stored = next(weights[name] for name in group if name in weights)
+        weights.update({name: stored for name in group})
+    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+
+
+def tied_weights(module) -> list[list[str]]:
+    """Groups of names that share one parameter (GPT's wte.weight and lm_head.weight): a file holds one."""
+    names = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 # ---------------------------------------------------------------- export
 
 
-def export_model(plumbing, model, output_dir: str) -> Path:
-    """The trained weights as <output_dir>/model.safetensors, written by the main process (collective). A sharded
-    model is gathered whole first, in the main process's CPU memory: the file is the same as an unsharded run's.
-    A Hugging Face model is saved in its own layout too (config.json beside it): from_pretrained(output_dir)."""
+def export_model(plumbing, model, output_dir: str, save_extras=None) -> Path:
+    """The trained weights as <output_dir>/model.safetensors, written by the main process (collective). A
+    sharded model is gathered whole first, in the main process's CPU memory: the file is the same as an
+    unsharded run's. A Hugging Face model is saved in its own layout too (config.json beside it), and
+    `save_extras(folder)` adds files to it (its tokenizer): from_pretrained(output_dir) loads both."""
     path = Path(output_dir) / "model.safetensors"
     tmp = path.with_name(path.name + ".tmp")
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
-    weights, metadata = full_weights(module) if is_sharded(module) else (module, None)
+    weights, metadata = (module, None)
+    if is_sharded(module):
+        weights, metadata = full_weights(module)
 
-    def write():
-        if not hasattr(module, "save_pretrained"):
-            save_safetensors(weights, tmp, metadata)
-            return os.replace(tmp, path)
+    def write_safetensors():
+        save_safetensors(weights, tmp, metadata)
+        os.replace(tmp, path)
+
+    def write_pretrained():
         shutil.rmtree(tmp, ignore_errors=True)
         module.save_pretrained(tmp, state_dict=None if weights is module else weights)
+        if save_extras is not None:
+            save_extras(tmp)
         for file in sorted(tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"):  # the weights last
-            _umask_mode(file)
+            umask_mode(file)
             os.replace(file, path.parent / file.name)
         tmp.rmdir()
 
-    collectively(plumbing, f"exporting {path}", lambda: plumbing.is_main_process and write())
+    def write():
+        if not plumbing.is_main_process:
+            return
+        if hasattr(module, "save_pretrained"):
+            write_pretrained()
+        else:
+            write_safetensors()
+
+    collectively(plumbing, f"exporting {path}", write)
     return path
 
 
@@ -320,6 +535,72 @@ def full_weights(module) -> tuple[dict, dict]:
     out, as save_model leaves them out (it keeps the first in sorted order and notes {dropped: kept})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    dropped = {name: sorted(group)[0] for group in tied_weights(module) for name in sorted(group)[1:]}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(module, options=options)
+    dropped = {}
+    for group in tied_weights(module):
+        kept, *others = sorted(group)
+        dropped.update({name: kept for name in others})
     return {name: tensor for name, tensor in state.items() if name not in dropped}, dropped
+
+
+# ---------------------------------------------------------------- files
+
+
+def save_safetensors(weights, path: Path, metadata: dict | None = None) -> None:
+    """A module's weights (or a state dict) as safetensors, with the mode any other file gets here (umask):
+    safetensors creates its files 0600, which teammates on a shared filesystem could not read."""
+    if isinstance(weights, torch.nn.Module):
+        save_model(weights, str(path))
+    else:
+        save_file(weights, str(path), metadata=metadata or None)
+    umask_mode(path)
+
+
+def umask_mode(path: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def write_file(path: Path, data) -> None:
+    """Bytes as they are, anything else with torch.save; on disk (fsync) before a manifest can name it."""
+    with open(path, "wb") as f:
+        if isinstance(data, bytes):
+            f.write(data)
+        else:
+            torch.save(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def read_file(path: Path):
+    """A .json file, or a tensor file through torch.load restricted to tensors and plain containers (a pickle
+    that would run code is refused); anything else is a one-line CheckpointError naming the file."""
+    try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+        return torch.load(path, "cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent} has no {path.name}: not a checkpoint, or not of this run") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path} refused: not a plain tensor file ({first_line(e)})") from None
+
+
+def file_digest(path: Path) -> str:
+    digest = xxhash.xxh3_64()  # ~10 GB/s: checksumming costs far less than writing
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()

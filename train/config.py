@@ -2,9 +2,11 @@
 
     python train/main.py --config train/configs/tiny.yaml --lr 3e-4 --max_steps 200
 
-Precedence: dataclass defaults < --config YAML < --key value flags. Every value is checked in `validate()`
-before any process group, port or output folder exists: a bad one is a ConfigError, one line naming the key
-(`error: ...`, exit code 2). `--help` lists every key with the comment written next to it below.
+Precedence: dataclass defaults < --config YAML < --key value flags. Every value's type and range is checked in
+`validate()`; what needs a file or the hub (a dataset, model or tokenizer name, a checkpoint to resume) is
+checked next by job.check_inputs, still before any process group, port or output folder exists. A bad value is
+a ConfigError: one line naming the key (`error: ...`, exit code 2). `--help` lists every key with the comment
+written next to it below. This module reads nothing but the YAML file it is given.
 """
 
 from __future__ import annotations
@@ -18,29 +20,12 @@ from dataclasses import dataclass, fields
 
 import yaml
 
-BUILTIN_DATASETS = ("python_stdlib",)
-DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".parquet")
+from errors import ConfigError
+
 TRACKERS = ("none", "wandb", "tensorboard")
 
 
-class ConfigError(ValueError):
-    """A refused input (a bad value, a run folder in use, a checkpoint that does not fit): one line, exit 2."""
-
-    exit_code = 2
-
-
-class RunError(RuntimeError):
-    """A failure the run cannot go on from (a full disk, a diverged loss): one line, exit 1."""
-
-    exit_code = 1
-
-
-def first_line(error: Exception) -> str:
-    """An exception's message cut to its first line, so errors we pass on stay one line."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-
-
-@dataclass
+@dataclass(frozen=True)  # settled once, after the resume decision (main.train); read-only after
 class TrainConfig:
     # ---- run
     output_dir: str = ""  # the run folder; "" = a new runs/run_NNN (with --resume latest: the newest one)
@@ -161,71 +146,17 @@ class TrainConfig:
         for name in self.tracker.split(","):
             _require("tracker", name in TRACKERS, f"entries must be among {', '.join(TRACKERS)}", self.tracker)
         _require("text_column", self.text_column != "", "must not be empty", self.text_column)
-        if self.resume not in ("", "latest"):
-            _require("resume", os.path.isdir(self.resume), "must be '', 'latest' or an existing folder",
-                     self.resume)
-        if self.init_from:
-            _require("init_from", os.path.exists(self.init_from), "is not an existing checkpoint, run folder or "
-                     ".safetensors file", self.init_from)
-        _check_dataset(self.dataset)
         _require("model_weights", self.model_weights in ("pretrained", "config"), "must be pretrained or config",
                  self.model_weights)
         _require("bias", self.model == "gpt" or not self.bias, "applies to the built-in gpt only (a Hugging Face "
                  "model's own config says whether it has biases)", self.bias)
         _require("num_workers", not (self.streaming and self.num_workers), "must be 0 with streaming (the stream "
                  "is read in the training process, where its position is saved)", self.num_workers)
-        if self.model != "gpt" or self.tokenizer_name != "bytes":
-            _check_model_and_tokenizer(self)
-        if self.streaming:  # opening a stream reads only its first rows: a wrong column is said now
-            from data import load_text
-
-            load_text(self)
 
 
 def _require(key: str, ok: bool, problem: str, value) -> None:
     if not ok:
         raise ConfigError(f"{key} {problem} (got {value!r})")
-
-
-def _check_dataset(dataset: str) -> None:
-    """A value that looks like a path must exist; anything else is taken as a hub name."""
-    if dataset in BUILTIN_DATASETS or os.path.exists(dataset):
-        return
-    # a hub name is `name` or `owner/name`: anything else that does not exist is a path with a typo, said at
-    # once rather than after the hub client's retries (26 s measured offline)
-    first_part = dataset.split("/")[0]
-    looks_like_path = (dataset.startswith(("/", "./", "../", "~")) or dataset.endswith(DATA_FILE_SUFFIXES)
-                       or dataset.count("/") > 1 or ("/" in dataset and os.path.isdir(first_part)))
-    hint = f" (there is a local folder '{first_part}/': a typo in the path?)" if os.path.isdir(first_part) else ""
-    _require("dataset", not looks_like_path, f"is not an existing file or folder{hint}", dataset)
-    _require("dataset", dataset != "", "must not be empty", dataset)
-
-
-def _check_model_and_tokenizer(cfg: TrainConfig) -> None:
-    """Resolve a Hugging Face model's config and tokenizer now (small files, or the local cache offline): a wrong
-    name, or a tokenizer the model cannot embed, is one line before any process group or download of weights."""
-    from data import BYTE_VOCAB_SIZE, load_tokenizer  # transformers, imported only for these
-
-    model_config = None
-    if cfg.model != "gpt":
-        from transformers import AutoConfig
-
-        try:
-            model_config = AutoConfig.from_pretrained(cfg.model)
-        except Exception as e:  # offline, a wrong name or folder, no access
-            raise ConfigError(f"model '{cfg.model}' could not be loaded: {first_line(e)}") from None
-    try:
-        tokenizer = load_tokenizer(cfg.tokenizer_name)
-    except ConfigError as e:
-        default = "" if cfg.tokenizer else " (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)"
-        raise ConfigError(f"{e}{default}") from None
-    if model_config is not None:
-        tokens, embedded = BYTE_VOCAB_SIZE if tokenizer is None else len(tokenizer), model_config.vocab_size
-        _require("tokenizer", tokens <= embedded, f"has {tokens} tokens, more than the {embedded} that model "
-                 f"'{cfg.model}' embeds", cfg.tokenizer_name)
-        positions = getattr(model_config, "max_position_embeddings", None) or cfg.block_size
-        _require("block_size", cfg.block_size <= positions, f"must be <= the model's {positions} positions",
-                 cfg.block_size)
 
 
 # ---------------------------------------------------------------- loading
@@ -240,14 +171,15 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     config_file, overrides = _split_argv(argv)
     values = _read_yaml(config_file) if config_file else {}
     values.update(overrides)
-    cfg = TrainConfig()
     types = {f.name: f.type for f in fields(TrainConfig)}
+    typed = {}
     for key, raw in values.items():
         if key not in types:
             close = difflib.get_close_matches(key, types, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"unknown key '{key}'{hint}")
-        setattr(cfg, key, _coerce(key, raw, types[key]))
+        typed[key] = _coerce(key, raw, types[key])
+    cfg = TrainConfig(**typed)
     cfg.validate()
     return cfg
 

@@ -15,13 +15,18 @@ import re
 import signal
 import sys
 import time
-from datetime import timedelta
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, RunError, TrainConfig, first_line, load_config
+from checkpoint import latest_checkpoint, step_of
+from config import TrainConfig, load_config
+from errors import ConfigError, RunError, first_line
+from lm import check_dataset_name, check_model_and_tokenizer
+from plumbing import close_process_group, collectively, is_writer
+from resume import check_sources
 from tracking import write_preempted_marker
 
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the rest.
@@ -31,57 +36,25 @@ RUN_NAME = re.compile(r"run_(\d+)")
 _held_locks = []  # open until the process exits: closing the file would release the lock
 
 
-def collectively(plumbing, action: str, fn, error_type=RunError, on_failure=None):
-    """Run fn on every process; if it raised on any of them, every process raises error_type. (A process that
-    raised alone would leave the others waiting in their next collective until a timeout.)"""
-    error, result = None, None
-    try:
-        result = fn()
-    except Exception as e:  # any failure, not only OSError: the others must not wait for this one
-        error = e
-    failed = plumbing.reduce(torch.tensor(float(error is not None), device=plumbing.device), "sum").item()
-    if failed:
-        if on_failure is not None:
-            on_failure()
-        if isinstance(error, error_type):
-            raise error
-        raise error_type(f"{action}: {first_line(error)}" if error else f"{action} failed on another process")
-    return result
-
-
-def is_writer(plumbing, cfg) -> bool:
-    """Whether this process writes the run folder's shared files (once per job, or once per node)."""
-    return plumbing.is_main_process if cfg.shared_filesystem else plumbing.is_local_main_process
-
-
-def claim_run_folder(cfg, plumbing) -> None:
-    """Settle cfg.output_dir (the same on every process) and lock it for this job."""
+def claim_run_folder(cfg, plumbing) -> TrainConfig:
+    """Settle output_dir (the same on every process) and lock it for this job. Returns the config with it."""
     if not cfg.output_dir:
-        number = _pick_run_number(cfg.resume == "latest") if plumbing.is_main_process else 0
-        number = int(plumbing.reduce(torch.tensor(float(number), device=plumbing.device), "sum").item())
-        cfg.output_dir = str(RUNS_ROOT / f"run_{number:03d}")
-    writer = is_writer(plumbing, cfg)
-    collectively(plumbing, "locking the run folder", lambda: writer and lock_run_folder(cfg.output_dir), ConfigError)
+        number = 0
+        if plumbing.is_main_process:
+            number = pick_run_number(newest=cfg.resume == "latest")
+        number_everywhere = plumbing.reduce(torch.tensor(float(number), device=plumbing.device), "sum")
+        cfg = replace(cfg, output_dir=str(RUNS_ROOT / f"run_{int(number_everywhere.item()):03d}"))
+    writer = is_writer(plumbing, cfg.shared_filesystem)
+
+    def lock():
+        if writer:
+            lock_run_folder(cfg.output_dir)
+
+    collectively(plumbing, "locking the run folder", lock, ConfigError)
+    return cfg
 
 
-def init_process_group(timeout_s: int) -> None:
-    """torch.distributed's env:// start (NCCL on GPUs, gloo on CPUs), with the store's keys under a prefix per
-    elastic restart: under --max_restarts every attempt shares one store, and a restarted worker could read the
-    dead attempt's peer addresses (gloo connectFullMesh "Connection refused", seen here under load). Accelerate
-    adopts a process group that already exists."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before NCCL: one GPU per process
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s),
-                          multi_tenant=True)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.PrefixStore(
-        f"attempt_{attempt}", store), rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
-
-
-def _pick_run_number(newest: bool) -> int:
+def pick_run_number(newest: bool) -> int:
     """The newest runs/run_NNN (to resume it), or a new one, created here so that two jobs never share it."""
     numbers = [int(m.group(1)) for p in RUNS_ROOT.glob("run_*") if (m := RUN_NAME.fullmatch(p.name))]
     if newest and numbers:
@@ -104,6 +77,13 @@ def try_lock_run_folder(output_dir: str) -> bool:
         except (ConfigError, OSError):
             return False
     return True
+
+
+def held_run_folder() -> str:
+    """The run folder whose lock this process holds, or ""."""
+    if not _held_locks:
+        return ""
+    return str(Path(_held_locks[0].name).parent)
 
 
 def lock_run_folder(output_dir: str) -> None:
@@ -169,17 +149,20 @@ stop_signals = StopSignals()
 
 
 def load_config_or_exit(argv) -> TrainConfig:
+    """The checked config, or `error: ...` and exit 2: before any process group, port or folder exists."""
     try:
-        return load_config(argv)
+        return load_checked_config(argv)
     except ConfigError as e:
         exit_with_error(e)
 
 
-def check_world_size(num_processes: int) -> None:
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != num_processes:
-        raise ConfigError(f"the launcher started {launched} processes but this one sees a world of "
-                          f"{num_processes}: they would train independently and overwrite each other's files")
+def load_checked_config(argv) -> TrainConfig:
+    """load_config's types and ranges, then what needs a file or the hub."""
+    cfg = load_config(argv)
+    check_sources(cfg)  # --resume, --init_from
+    check_dataset_name(cfg.dataset)
+    check_model_and_tokenizer(cfg)  # a Hugging Face model and tokenizer: their small config files only
+    return cfg
 
 
 def run_or_exit(train_fn, cfg, make_plumbing) -> None:
@@ -205,26 +188,17 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
     sys.exit(code)
 
 
-def close_process_group() -> None:
-    """Destroy the process group once gloo's worker threads are idle. A worker that has just run a collective frees
-    its tensors under the group's lock, and needs the GIL for that; the group's destructor takes that lock holding
-    the GIL. Destroyed right after a collective, a process can hang at exit (seen here: a rank stuck for good in
-    ~ProcessGroupGloo, its peer long gone). So: release the GIL a moment first, then destroy."""
-    if dist.is_initialized():
-        time.sleep(0.05)
-        dist.destroy_process_group()
-
-
 def stopped_before_training(cfg, plumbing) -> int:
     """A signal during start-up: nothing new to save. Leave the requeue marker if the run folder is ours."""
     rank0 = plumbing.is_main_process if plumbing is not None else os.environ.get("RANK", "0") == "0"
-    if rank0 and cfg.output_dir and stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE \
-            and try_lock_run_folder(cfg.output_dir):
-        from checkpoint import latest_checkpoint  # checkpoint.py imports this module
-
-        newest = latest_checkpoint(cfg.output_dir)
-        write_preempted_marker(cfg.output_dir, int(newest.name.split("_")[1]) if newest else 0,
-                               stop_signals.signal_name, str(newest) if newest else None)
+    output_dir = cfg.output_dir or held_run_folder()  # the folder claimed on the way, if any
+    preempted = stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE
+    if rank0 and output_dir and preempted and try_lock_run_folder(output_dir):
+        newest = latest_checkpoint(output_dir)
+        if newest is None:
+            write_preempted_marker(output_dir, 0, stop_signals.signal_name, None)
+        else:
+            write_preempted_marker(output_dir, step_of(newest), stop_signals.signal_name, str(newest))
     print(f"stopped during start-up on {stop_signals.signal_name}: nothing trained yet; "  # noqa: T201
           f"start again with --resume latest", file=sys.stderr)
     return stop_signals.exit_code

@@ -1,15 +1,26 @@
-"""The plumbing contract: what train(), checkpoint.py, resume.py, tracking.py and job.py ask of the object
-that knows about processes and devices. `accelerate.Accelerator` satisfies it as it is; `torch_ddp.TorchDDP`
-implements it with plain torch.distributed. Nothing else of either is used (tests/test_plumbing.py checks
-both directions), so a new plumbing (FSDP, another launcher) implements exactly these members.
+"""The plumbing contract, and what every plumbing shares.
+
+`Plumbing` is what train(), checkpoint.py, resume.py, tracking.py and job.py ask of the object that knows about
+processes and devices. `accelerate.Accelerator` satisfies it as it is; `torch_ddp.TorchDDP` implements it with
+plain torch.distributed. Nothing else of either is used (tests/test_plumbing.py checks both directions), so a
+new plumbing implements exactly these members.
+
+Below it, the helpers both plumbings stand on: starting and closing the process group, a decision every process
+takes together (`collectively`), and who writes the run folder's shared files (`is_writer`).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
+
+from errors import ConfigError, RunError, first_line
 
 
 @runtime_checkable
@@ -24,23 +35,126 @@ class Plumbing(Protocol):
     scaler: torch.amp.GradScaler | None  # fp16's loss scaler (then a checkpoint part)
     trackers: list  # the started trackers (tracking.py finishes them)
 
-    # Modules: to the device, wrapped (DDP). DataLoaders: on the device, this rank's share of every global batch
-    # (whole per-rank batches in rank order). Anything else as it is. One object in, one out; several, a tuple.
-    def prepare(self, *objects: Any) -> Any: ...
-    # around each micro-step: sets sync_gradients, and skips the gradient all-reduce until the last micro-step
-    def accumulate(self, model: torch.nn.Module) -> AbstractContextManager: ...
-    def backward(self, loss: torch.Tensor) -> None: ...  # of loss / grad_accum_steps (scaled, under fp16)
-    # clips the (unscaled) gradients; returns their total norm before clipping
-    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor: ...
-    # all-reduce, "sum" or "mean" (always say which: Accelerate's default differs); every process must call it
-    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor: ...
-    # tensors (in dicts, tuples, lists) of every process concatenated in rank order; in an eval loader's last
-    # batch, without the samples it repeated to give every process a full batch. No state across calls.
-    def gather_for_metrics(self, data: Any) -> Any: ...
-    def main_process_first(self) -> AbstractContextManager: ...  # e.g. to fill a cache the others then read
-    def local_main_process_first(self) -> AbstractContextManager: ...  # the same, once per node
-    # the user's module inside what prepare() and torch.compile wrapped it in (called with keep_torch_compile=False)
-    def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool) -> torch.nn.Module: ...
-    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None
-                      ) -> None: ...  # on the main process only
-    def log(self, values: dict, step: int | None = None) -> None: ...  # one row to every started tracker
+    def prepare(self, *objects: Any) -> Any:
+        """Modules: to the device, wrapped (DDP) or sharded (FSDP). DataLoaders: on the device, this rank's
+        share of every global batch (whole per-rank batches in rank order). Anything else as it is. One object
+        in, one out; several, a tuple."""
+
+    def accumulate(self, model: torch.nn.Module) -> AbstractContextManager:
+        """Around each micro-step: sets sync_gradients, and skips the gradient all-reduce until the last one."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of loss / grad_accum_steps (scaled, under fp16)."""
+
+    def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
+        """Clips the (unscaled) gradients; returns their total norm before clipping."""
+
+    def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
+        """All-reduce, "sum" or "mean" (always say which: Accelerate's default differs). Every process must
+        call it."""
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """Tensors (in dicts, tuples, lists) of every process concatenated in rank order; in an eval loader's
+        last batch, without the samples it repeated to give every process a full batch. No state across
+        calls."""
+
+    def main_process_first(self) -> AbstractContextManager:
+        """The body runs on the main process before the others, e.g. to fill a cache they then read."""
+
+    def local_main_process_first(self) -> AbstractContextManager:
+        """The same, once per node."""
+
+    def unwrap_model(self, model: torch.nn.Module, keep_torch_compile: bool) -> torch.nn.Module:
+        """The user's module inside what prepare() and torch.compile wrapped it in (called with
+        keep_torch_compile=False)."""
+
+    def init_trackers(
+        self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None
+    ) -> None:
+        """Start the configured trackers, on the main process only."""
+
+    def log(self, values: dict, step: int | None = None) -> None:
+        """One row to every started tracker."""
+
+
+# ---------------------------------------------------------------- the process group
+
+
+def init_process_group(timeout_s: int) -> None:
+    """torch.distributed's env:// start (NCCL on GPUs, gloo on CPUs), with the store's keys under a prefix per
+    elastic restart: under --max_restarts every attempt shares one store, and a restarted worker could read the
+    dead attempt's peer addresses (gloo connectFullMesh "Connection refused", seen here under load). Accelerate
+    adopts a process group that already exists."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before NCCL: one GPU per process
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    attempt_store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group(
+        backend, store=attempt_store, rank=rank, world_size=world_size, timeout=timeout
+    )
+
+
+def close_process_group() -> None:
+    """Destroy the process group once gloo's worker threads are idle. A worker that has just run a collective
+    frees its tensors under the group's lock, and needs the GIL for that; the group's destructor takes that lock
+    holding the GIL. Destroyed right after a collective, a process can hang at exit (seen here: a rank stuck for
+    good in ~ProcessGroupGloo, its peer long gone). So: release the GIL a moment first, then destroy."""
+    if dist.is_initialized():
+        time.sleep(0.05)
+        dist.destroy_process_group()
+
+
+def check_world_size(num_processes: int) -> None:
+    """The launcher's world size is the one the plumbing sees (else each process would train alone)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != num_processes:
+        raise ConfigError(
+            f"the launcher started {launched} processes but this one sees a world of {num_processes}: "
+            f"they would train independently and overwrite each other's files"
+        )
+
+
+# ---------------------------------------------------------------- decisions taken together
+
+
+def collectively(plumbing, action: str, fn, error_type=RunError, on_failure=None):
+    """Run fn on every process; if it raised on any of them, every process raises error_type. (A process that
+    raised alone would leave the others waiting in their next collective until a timeout.)"""
+    error = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # any failure, not only OSError: the others must not wait for this one
+        error = e
+    failed_here = torch.tensor(float(error is not None), device=plumbing.device)
+    failed = plumbing.reduce(failed_here, "sum").item()
+    if not failed:
+        return result
+    if on_failure is not None:
+        on_failure()
+    if isinstance(error, error_type):
+        raise error
+    if error is not None:
+        raise error_type(f"{action}: {first_line(error)}")
+    raise error_type(f"{action} failed on another process")
+
+
+def is_writer(plumbing, shared_filesystem: bool) -> bool:
+    """Whether this process writes the run folder's shared files: once per job, or once per node when each
+    node has its own disk."""
+    if shared_filesystem:
+        return plumbing.is_main_process
+    return plumbing.is_local_main_process

@@ -26,10 +26,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Sampler
 
-from config import ConfigError, TrainConfig
-from job import check_world_size, exit_with_error, init_process_group, load_config_or_exit, run_or_exit
+from config import TrainConfig
+from errors import ConfigError
+from job import exit_with_error, load_config_or_exit, run_or_exit
+from lm import transformer_blocks
 from main import train
-from model import transformer_blocks
+from plumbing import check_world_size, init_process_group
 
 
 class TorchDDP:
@@ -90,7 +92,7 @@ class TorchDDP:
         mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.mixed_precision == "bf16" else MixedPrecisionPolicy()
-        for block in transformer_blocks(model):  # one all-gather per block in forward and in backward
+        for block in transformer_blocks(model, "fsdp"):  # one all-gather per block in forward and in backward
             fully_shard(block, mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
 

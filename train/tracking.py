@@ -22,7 +22,8 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from config import TrainConfig, first_line
+from config import TrainConfig
+from errors import first_line
 
 PREEMPTED_MARKER = "preempted.json"
 
@@ -34,8 +35,10 @@ class MetricsLogger:
         self.output_dir = Path(cfg.output_dir)
         self.metrics_file, self.bar, self.tracker_failed = None, None, False
 
-    def start(self, step: int, run_info: dict) -> None:
-        """Write config.yaml and run_info.json; keep metrics.jsonl rows up to `step` (a resume re-logs the rest)."""
+    def start(self, cfg: TrainConfig, step: int, run_info: dict) -> None:
+        """Write config.yaml (the config as the resume settled it) and run_info.json; keep metrics.jsonl rows
+        up to `step` (a resume re-logs the rest)."""
+        self.cfg = cfg
         if self.show_progress:
             # disable=None: no bar when stderr is not a terminal (CI, SLURM logs); the log lines remain
             self.bar = tqdm(total=self.cfg.max_steps, initial=step, desc="train", unit="step",
@@ -213,13 +216,6 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("
 
 def peak_flops_per_gpu(device_name: str) -> float | None:
     return next((flops for name, flops in PEAK_BF16_FLOPS if name in device_name), None)
-
-
-def flops_per_token(model) -> float:
-    """Training FLOPs per token: the model's own estimate if it has one, else 6 x parameters (Kaplan)."""
-    if hasattr(model, "flops_per_token"):
-        return model.flops_per_token()
-    return 6 * sum(p.numel() for p in model.parameters())
 
 
 def _step_of(line: str) -> float:

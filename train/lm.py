@@ -1,0 +1,231 @@
+"""What the template assumes of a causal language model, whatever model.py and data.py hold.
+
+The loop's contract with the model is Hugging Face's: `model(**batch)` returns an object with `.loss` (the mean
+next-token loss it trains on) and `.logits` (batch, time, vocab). Around that contract this module keeps:
+    - the next-token loss (`causal_lm_loss`), which the shipped GPT uses and `check_loss_contract` holds a
+      fork's model to, and the per-sample evaluation columns the eval loop sums (`eval_columns`);
+    - finding the transformer blocks (`_no_split_modules`) for FSDP and activation checkpointing;
+    - FLOPs per token for MFU;
+    - tokenizers (`--tokenizer`: bytes, or a Hugging Face name or folder) and the Hugging Face switch
+      (`--model NAME`): a hub model replaces model.py's `build_model`, so a fork that rewrote model.py keeps it.
+Nothing here imports model.py or data.py: they import from here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from errors import ConfigError, first_line
+
+BYTE_VOCAB_SIZE = 256  # the "bytes" tokenizer: every UTF-8 byte is a token, nothing to download
+LOCAL_MODEL = "gpt"  # --model's value for model.py's build_model (anything else is a Hugging Face model)
+
+
+# ---------------------------------------------------------------- the loss and the evaluation columns
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean next-token loss, (batch,). Position t predicts labels[t + 1]; -100 is ignored."""
+    # the targets move left, not the logits: the last position gets an ignored target, and the logits are not
+    # copied (a sliced view would be, by reshape; 0.4 ms of a 100 ms CPU step)
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    flat_logits = logits.float().flatten(0, 1)
+    per_token = F.cross_entropy(flat_logits, targets.flatten(), ignore_index=-100, reduction="none")
+    per_token = per_token.view_as(targets)
+    counted = (targets != -100).sum(dim=1).clamp(min=1)
+    return per_token.sum(dim=1) / counted
+
+
+@torch.no_grad()
+def eval_columns(logits: torch.Tensor, labels: torch.Tensor, max_floats: int = 2**26) -> dict:
+    """Per-sample sums over next-token predictions, each a float64 tensor of shape (batch,), by name.
+
+    The eval loop sums every column over the whole eval set (exactly, under sharding) and reports
+    `eval_<name>` = sum of <name> / sum of `tokens` for each column but `tokens`, plus the perplexity. A new
+    metric is one more column here: e.g. `"top5": (chunk.topk(5).indices == wanted[..., None]).any(-1)`.
+    Upcasts at most `max_floats` logits to fp32 at once (256 MiB): at a 150k vocabulary, a batch's fp32 logits
+    would be gigabytes."""
+    predictions = logits[:, :-1]  # views: nothing is copied yet
+    targets = labels[:, 1:]
+    columns = {"tokens": [], "loss": [], "accuracy": []}
+    positions_per_chunk = max(1, max_floats // (logits.size(0) * logits.size(-1)))
+    for start in range(0, targets.size(1), positions_per_chunk):
+        chunk = predictions[:, start : start + positions_per_chunk].float()
+        wanted = targets[:, start : start + positions_per_chunk]
+        counted = wanted != -100
+        losses = F.cross_entropy(chunk.transpose(1, 2), wanted, ignore_index=-100, reduction="none")
+        columns["tokens"].append(counted)
+        columns["loss"].append(losses)
+        columns["accuracy"].append((chunk.argmax(-1) == wanted) & counted)
+    return {name: torch.cat(parts, dim=1).double().sum(dim=1) for name, parts in columns.items()}
+
+
+def eval_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """The reported values from the eval set's column sums (eval_columns)."""
+    tokens = max(totals["tokens"], 1.0)
+    metrics = {f"eval_{name}": total / tokens for name, total in totals.items() if name != "tokens"}
+    metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50))  # capped: a diverged run stays finite
+    return metrics
+
+
+@torch.no_grad()
+def check_loss_contract(model: nn.Module, batch: dict) -> None:
+    """Training minimises the model's .loss, evaluation recomputes it per sample from .logits (exact under
+    sharding): a model whose loss differs (no next-token shift) would train on one number and report another."""
+    model.eval()
+    output = model(**batch)
+    model.train()
+    expected = causal_lm_loss(output.logits, batch["labels"]).mean()
+    if output.loss is not None and torch.allclose(output.loss.float(), expected, rtol=1e-3, atol=1e-4):
+        return
+    got = "None" if output.loss is None else f"{output.loss.item():.4f}"
+    raise ConfigError(
+        f"model: its .loss ({got}) is not the next-token cross-entropy of its .logits "
+        f"({expected.item():.4f}) that evaluation reports: shift the labels by one in the model's loss "
+        f"(lm.causal_lm_loss does), or change lm.eval_columns to match"
+    )
+
+
+# ---------------------------------------------------------------- blocks and FLOPs
+
+
+def transformer_blocks(model: nn.Module, needed_for: str) -> list[nn.Module]:
+    """The modules whose class `model._no_split_modules` names (Hugging Face models set it; so does GPT)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ConfigError(
+            f"model: {needed_for} works block by block, and {type(model).__name__}._no_split_modules names "
+            f"no block class of it: set it to the class of the model's repeated layer"
+        )
+    return blocks
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Each block keeps only its input in forward and recomputes the rest in backward (dropout masks too)."""
+    for block in transformer_blocks(model, "activation_checkpointing"):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def flops_per_token(model: nn.Module) -> float:
+    """Training FLOPs per token: the model's own estimate if it has one, else 6 x parameters (Kaplan)."""
+    own_estimate = getattr(model, "flops_per_token", None)
+    if callable(own_estimate):
+        return own_estimate()
+    return 6 * sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+@functools.cache
+def load_tokenizer(name: str):
+    """None for "bytes" (every UTF-8 byte a token), else a Hugging Face tokenizer by hub name or local folder."""
+    if name == "bytes":
+        return None
+    from transformers import AutoTokenizer  # imported only when used
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # offline, a wrong name or folder: all the same to the user
+        raise ConfigError(f"tokenizer '{name}' could not be loaded: {first_line(e)}") from None
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer '{name}' has no EOS token to end documents with: set its eos_token")
+    return tokenizer
+
+
+def vocab_size(cfg) -> int:
+    """Tokens the configured tokenizer can produce: what a model built from scratch must embed."""
+    tokenizer = load_tokenizer(cfg.tokenizer_name)
+    if tokenizer is None:
+        return BYTE_VOCAB_SIZE
+    return len(tokenizer)
+
+
+# ---------------------------------------------------------------- Hugging Face models
+
+
+def uses_hub_model(cfg) -> bool:
+    return cfg.model != LOCAL_MODEL
+
+
+def hugging_face_model(cfg) -> nn.Module:
+    """--model NAME: its pretrained weights (fine-tuning), or its architecture with fresh weights
+    (model_weights: config), in fp32: mixed precision casts for compute, the optimizer steps fp32 weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.model_weights == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    model_config = AutoConfig.from_pretrained(cfg.model)
+    return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+
+
+def save_tokenizer(cfg, folder) -> None:
+    """Beside an exported Hugging Face model: its tokenizer's files, so AutoTokenizer.from_pretrained(folder)
+    loads what the run trained with ("bytes" has no files)."""
+    tokenizer = load_tokenizer(cfg.tokenizer_name)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def check_model_and_tokenizer(cfg) -> None:
+    """Resolve a Hugging Face model's config and tokenizer now (small files, or the local cache offline): a wrong
+    name, or a tokenizer the model cannot embed, is one line before any process group or download of weights."""
+    if not uses_hub_model(cfg) and cfg.tokenizer_name == "bytes":
+        return
+    model_config = None
+    if uses_hub_model(cfg):
+        from transformers import AutoConfig
+
+        try:
+            model_config = AutoConfig.from_pretrained(cfg.model)
+        except Exception as e:  # offline, a wrong name or folder, no access
+            raise ConfigError(f"model '{cfg.model}' could not be loaded: {first_line(e)}") from None
+    try:
+        tokens = vocab_size(cfg)
+    except ConfigError as e:
+        default = "" if cfg.tokenizer else " (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)"
+        raise ConfigError(f"{e}{default}") from None
+    if model_config is None:
+        return
+    embedded = model_config.vocab_size
+    if tokens > embedded:
+        raise ConfigError(
+            f"tokenizer has {tokens} tokens, more than the {embedded} that model '{cfg.model}' embeds "
+            f"(got {cfg.tokenizer_name!r})"
+        )
+    positions = getattr(model_config, "max_position_embeddings", None) or cfg.block_size
+    if cfg.block_size > positions:
+        raise ConfigError(f"block_size must be <= the model's {positions} positions (got {cfg.block_size})")
+
+
+DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".parquet")
+
+
+def check_dataset_name(dataset: str) -> None:
+    """--dataset is a local file or folder, or a name for data.py (a hub dataset, a built-in corpus). A value
+    that looks like a path must exist: said at once, rather than after the hub client's retries (26 s offline)."""
+    if dataset == "":
+        raise ConfigError("dataset must not be empty (got '')")
+    if os.path.exists(dataset):
+        return
+    first_part = dataset.split("/")[0]
+    looks_like_a_path = (
+        dataset.startswith(("/", "./", "../", "~"))
+        or dataset.endswith(DATA_FILE_SUFFIXES)
+        or dataset.count("/") > 1
+        or ("/" in dataset and os.path.isdir(first_part))
+    )
+    if not looks_like_a_path:
+        return
+    hint = ""
+    if os.path.isdir(first_part):
+        hint = f" (there is a local folder '{first_part}/': a typo in the path?)"
+    raise ConfigError(f"dataset is not an existing file or folder{hint} (got {dataset!r})")
