@@ -38,13 +38,14 @@ rank runs the same sequence of blocks, so their collectives meet. Rank 0 reports
         --batch_size 12                                     # the issue's side-by-side config
 
 Any further flags are TrainConfig flags, shared by all the variants; `--out FILE` also writes the
-figures as JSON. The loader wait is the time spent in `next()` on the training stream (data.TrainBatches,
+figures as JSON. The loader wait is the time spent in `next()` on the training stream (batches.TrainBatches,
 wrapped from outside, as the tests inject faults), and in the bare loop's own batch gathering.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -226,14 +227,16 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     import torch
     import torch.distributed as dist
 
+    import batches
     import data
     import main as accelerate_main
     import streaming
     import torch_ddp
     from config import load_config
-    from job import init_process_group
+    from lm import flops_per_token
     from model import build_model
-    from tracking import flops_per_token, peak_flops_per_gpu
+    from plumbing import init_process_group
+    from tracking import peak_flops_per_gpu
 
     cfg = load_config(train_args)
     configs = {name: load_config([*train_args, *(["--streaming", "true"] if name == "streaming" else [])])
@@ -246,7 +249,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
-    next_batch = {stream: stream.__next__ for stream in (data.TrainBatches, streaming.StreamBatches)}
+    next_batch = {stream: stream.__next__ for stream in (batches.TrainBatches, streaming.StreamBatches)}
 
     def timed_next(self):
         start = time.perf_counter()
@@ -258,8 +261,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         local.name = name
         error = None
         try:
-            cfg = configs[name]
-            cfg.output_dir = str(workdir / name)
+            cfg = dataclasses.replace(configs[name], output_dir=str(workdir / name))
             if name == "bare":
                 bare_loop(cfg, baton, sample)
             elif name == "nanogpt":
@@ -279,16 +281,16 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         original_step(self)
         baton.step(local.name)
 
-    def export_model(plumbing, model, output_dir):  # train()'s last act: keep its model for sample_loss
+    def export_model(plumbing, model, output_dir, **options):  # train()'s last act: keep its model
         trained[local.name] = plumbing.unwrap_model(model, keep_torch_compile=False)
-        return original_export(plumbing, model, output_dir)
+        return original_export(plumbing, model, output_dir, **options)
 
     with tempfile.TemporaryDirectory() as own_folder:
         shared = [own_folder]
         if dist.is_initialized():  # the ranks of each variant share one run folder, as a job's ranks do
             dist.broadcast_object_list(shared)
         workdir = Path(shared[0])
-        data.TrainBatches.__next__ = streaming.StreamBatches.__next__ = timed_next
+        batches.TrainBatches.__next__ = streaming.StreamBatches.__next__ = timed_next
         accelerate_main.Throughput.step, accelerate_main.export_model = step, export_model
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # train()'s log lines
@@ -401,7 +403,8 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     import numpy as np
     import torch
 
-    from data import build_datasets, vocab_size
+    from data import build_datasets
+    from lm import vocab_size
 
     spec = importlib.util.spec_from_file_location("nanogpt_model", checkout / "model.py")  # ours is `model` too
     nanogpt = importlib.util.module_from_spec(spec)

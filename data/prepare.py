@@ -8,7 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
-from config import ConfigError, load_config  # noqa: E402
+from config import load_config
+from errors import ConfigError  # noqa: E402
 from data import build_datasets  # noqa: E402
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from checkpoint import save_safetensors  # noqa: E402
 from config import saved_config  # noqa: E402
+from lm import build_causal_lm  # noqa: E402
 from model import build_model  # noqa: E402
 
 
@@ -28,8 +30,8 @@ def consolidate(checkpoint: Path, out: Path) -> None:
         sys.exit(f"error: {checkpoint} holds no sharded model (model/.metadata); an unsharded checkpoint's "
                  f"model.safetensors is already one file")
     cfg = saved_config(checkpoint / "config.yaml")
-    cfg.model_weights = "config"  # a Hugging Face model: its architecture; the shards hold the weights
-    model = build_model(cfg)
+    cfg = replace(cfg, model_weights="config")  # a Hugging Face model: its architecture; the shards hold the weights
+    model = build_causal_lm(cfg, build_model)
     state = {"model": model.state_dict()}  # the keys the shards were saved under; read into the model in place
     with warnings.catch_warnings():  # "no process group: loading in a single process", which is the point
         warnings.simplefilter("ignore")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,10 +19,11 @@ from safetensors.torch import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
-from config import ConfigError, saved_config  # noqa: E402
-from data import load_tokenizer  # noqa: E402
+from checkpoint import check_weights  # noqa: E402
+from config import saved_config  # noqa: E402
+from errors import ConfigError  # noqa: E402
+from lm import build_causal_lm, load_tokenizer  # noqa: E402
 from model import build_model  # noqa: E402
-from resume import check_weights  # noqa: E402
 
 
 def load_trained(folder: Path):
@@ -34,8 +36,8 @@ def load_trained(folder: Path):
                 if (folder / "model" / ".metadata").is_file() else " (the run has not finished: pass a checkpoint)")
         raise ConfigError(f"{folder} has no model.safetensors{hint}")
     cfg = saved_config(folder / "config.yaml")
-    cfg.model_weights = "config"  # the architecture only: the folder's weights replace the initial ones
-    model = build_model(cfg)
+    cfg = replace(cfg, model_weights="config")  # the architecture only: the folder's weights replace the first
+    model = build_causal_lm(cfg, build_model)
     check_weights(weights, model)  # another shape: one line naming what differs
     load_model(model, str(weights))
     return cfg, model.eval(), load_tokenizer(cfg.tokenizer_name)

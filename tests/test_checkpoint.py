@@ -4,6 +4,7 @@ integrity, refusing bad files, and resuming on another world size."""
 import json
 import os
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,9 +13,11 @@ from torch.utils.data import DataLoader
 
 import checkpoint
 import resume as resuming
-from checkpoint import CheckpointError, TrainState, latest_checkpoint
-from config import ConfigError, RunError, TrainConfig
-from data import EpochSampler, TrainBatches
+from checkpoint import TrainState, latest_checkpoint
+from errors import CheckpointError
+from config import TrainConfig
+from errors import ConfigError, RunError
+from batches import EpochSampler, TrainBatches
 from model import build_model
 from optim import build_optimizer
 from torch_ddp import TorchDDP
@@ -50,15 +53,18 @@ class Job:
         return checkpoint.save_checkpoint(self.plumbing, self.cfg, self.parts, step, IDENTITY)
 
     def load(self, folder, identity=IDENTITY):
-        problem = resuming.checkpoint_problem(folder)
+        problem = checkpoint.checkpoint_problem(folder)
         if problem and "refused" not in problem:
             raise CheckpointError(problem)
-        return resuming.load_checkpoint(self.plumbing, self.cfg, folder, self.parts, identity)
+        return resuming.resume_from(self.plumbing, self.cfg, folder, self.parts, identity)
 
     def resume(self, identity=IDENTITY):
         log = Log()
-        resuming.resume_or_start(self.plumbing, self.cfg, self.parts, identity, log)
+        self.cfg = resuming.resume_or_start(self.plumbing, self.cfg, self.parts, identity, log)
         return self.state, log
+
+    def set(self, **changes):
+        self.cfg = replace(self.cfg, **changes)  # the config is frozen: a change is a new one
 
 
 class Log:
@@ -232,11 +238,11 @@ def test_a_tampered_or_truncated_file_fails_the_manifest(tmp_path):
     path = Job(tmp_path).save(1)
     data = (path / "optimizer.pt").read_bytes()
     (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
-    assert resuming.checkpoint_problem(path) == f"optimizer.pt is missing or not {len(data)} bytes"
+    assert checkpoint.checkpoint_problem(path) == f"optimizer.pt is missing or not {len(data)} bytes"
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0xFF  # same size, one byte changed
     (path / "optimizer.pt").write_bytes(bytes(flipped))
-    assert "optimizer.pt does not match its checksum" in resuming.checkpoint_problem(path)
+    assert "optimizer.pt does not match its checksum" in checkpoint.checkpoint_problem(path)
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_anything_changes(tmp_path):
@@ -261,7 +267,7 @@ def test_a_folder_that_is_not_a_checkpoint(tmp_path):
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("hello")
-    assert "no readable manifest.json" in resuming.checkpoint_problem(junk)
+    assert "no readable manifest.json" in checkpoint.checkpoint_problem(junk)
     path = job.save(1)
     (path / "model.safetensors").write_bytes(pickle.dumps({"weights": 1}))
     forge_manifest(path, "model.safetensors")
@@ -275,7 +281,7 @@ def test_a_crash_between_the_two_renames_of_a_resave_leaves_a_resumable_folder(t
     path = job.save(8)
     os.replace(path, path.with_name(path.name + ".stale"))  # the first rename happened, then the crash
     assert latest_checkpoint(job.cfg.output_dir).name == "step_00000004"  # .stale is never parsed as a step
-    job.cfg.resume = "latest"
+    job.set(resume="latest")
     state, _ = job.resume()
     assert state.step == 8 and latest_checkpoint(job.cfg.output_dir) == path  # put back at start-up
     job.save(12)  # pruning copes too
@@ -288,15 +294,15 @@ def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_path_is_refuse
     data = bytearray((newest / "model.safetensors").read_bytes())
     data[-1] ^= 0x01
     (newest / "model.safetensors").write_bytes(bytes(data))
-    job.cfg.resume = "latest"
+    job.set(resume="latest")
     state, log = job.resume()
     assert state.step == 4
     assert any(f"skipping damaged checkpoint {newest}: model.safetensors does not match its checksum" in line
                for line in log.lines), log.lines
-    job.cfg.resume = str(newest)
+    job.set(resume=str(newest))
     with pytest.raises(CheckpointError, match=f"cannot resume from {newest}: model.safetensors does not match"):
         job.resume()
-    job.cfg.resume = job.cfg.output_dir  # a run folder, not a checkpoint
+    job.set(resume=job.cfg.output_dir)  # a run folder, not a checkpoint
     with pytest.raises(CheckpointError, match="it is a run folder: pass --output_dir .* --resume latest"):
         job.resume()
 
@@ -306,7 +312,7 @@ def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_path_is_refuse
 def test_resume_refuses_other_data_and_init_from_takes_the_weights_only(tmp_path, key, value):
     job = Job(tmp_path)
     path = job.save(5)
-    job.cfg.resume = "latest"
+    job.set(resume="latest")
     with pytest.raises(CheckpointError, match=f"saved for other data \\({key} .* -> {value!r}\\).*--init_from"):
         job.resume({**IDENTITY, key: value})
     fresh = Job(tmp_path / "new", init_from=str(path))
@@ -345,14 +351,14 @@ def test_a_failed_publish_is_one_line(tmp_path, monkeypatch):
 def test_a_resume_keeps_the_lr_horizon_unless_lr_decay_steps_is_given(tmp_path):
     job = Job(tmp_path, max_steps=20)
     job.save(20, lr_decay_steps=20)
-    job.cfg.resume, job.cfg.max_steps = "latest", 40
+    job.set(resume="latest", max_steps=40)
     state, log = job.resume()
     assert job.cfg.decay_steps == state.lr_decay_steps == 20  # extended at min_lr
     assert any("pass --lr_decay_steps 40 to stretch it" in line for line in log.lines), log.lines
-    job.cfg.lr_decay_steps = 40
+    job.set(lr_decay_steps=40)
     state, _ = job.resume()
     assert job.cfg.decay_steps == state.lr_decay_steps == 40  # stretched, on purpose
-    job.cfg.max_steps = 10
+    job.set(max_steps=10)
     with pytest.raises(CheckpointError, match="is at step 20, past max_steps 10: pass --max_steps 20 or more"):
         job.resume()
 

@@ -1,9 +1,13 @@
 """Config: YAML + CLI precedence, and one clear line for every bad input."""
 
+import sys
+
 import pytest
 
-from config import ConfigError, TrainConfig, load_config
-from conftest import REPO, run_python
+from config import TrainConfig, load_config
+from errors import ConfigError
+from conftest import REPO, base_env, run, run_python
+from job import load_checked_config
 
 
 def test_defaults_yaml_then_cli_precedence(tmp_path):
@@ -58,7 +62,7 @@ def test_shipped_presets_load():
 ])
 def test_bad_values_name_the_key(argv, message):
     with pytest.raises(ConfigError) as error:
-        load_config(argv)
+        load_checked_config(argv)  # load_config's ranges, then what needs a file or the hub
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 
@@ -120,8 +124,8 @@ def test_a_path_typo_that_looks_like_a_hub_name_fails_at_once(tmp_path, monkeypa
     (tmp_path / "corpora").mkdir()
     with pytest.raises(ConfigError, match=r"dataset is not an existing file or folder \(there is a local folder "
                                           r"'corpora/': a typo in the path\?\)"):
-        load_config(["--dataset", "corpora/my_text"])
-    assert load_config(["--dataset", "owner/name"]).dataset == "owner/name"  # still a hub name
+        load_checked_config(["--dataset", "corpora/my_text"])
+    assert load_checked_config(["--dataset", "owner/name"]).dataset == "owner/name"  # still a hub name
 
 
 @pytest.mark.parametrize("script", ["train/main.py", "train/torch_ddp.py", "data/prepare.py"])
@@ -132,3 +136,15 @@ def test_help_names_the_script_and_shows_whole_comments(tmp_path, script):
     assert line.rstrip().endswith("data prepared and checkpoints kept on every node")  # the comment's 2nd line too
     precision = next(line for line in result.output.splitlines() if line.strip().startswith("--mixed_precision"))
     assert "the launcher's" in precision and "wins over the launcher" in precision
+
+
+def test_config_reads_no_data_model_or_hub(tmp_path):
+    """config.py checks types and ranges only: loading a config imports neither datasets nor transformers (what
+    needs them is checked by job.load_checked_config, still before any process group)."""
+    probe = (
+        "import sys; sys.path.insert(0, 'train'); from config import load_config; "
+        "load_config(['--model', 'someone/some-model', '--dataset', 'someone/some-data']); "
+        "print(sorted(m for m in ('datasets', 'transformers', 'data', 'model', 'lm') if m in sys.modules))"
+    )
+    result = run([sys.executable, "-c", probe], base_env(tmp_path), timeout=60)
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == "[]", result.stdout

@@ -1,4 +1,5 @@
-"""Data: local formats through `datasets`, cached packing, and the data order both plumbings share."""
+"""The shipped data.py: local formats through `datasets`, cached packing, the stdlib corpus, one packer.
+(The data order, which is the template's: test_batches.py.)"""
 
 import json
 import os
@@ -6,12 +7,13 @@ import os
 import pandas as pd
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 import data
-from config import ConfigError, TrainConfig
+from config import TrainConfig
 from conftest import REPO, SESSION_HF_HOME, run_python, write_corpus
-from torch_ddp import RankBatches, TorchDDP
+from errors import ConfigError
+
+pytestmark = pytest.mark.shipped  # the shipped data.py: a fork that replaces it adapts or deletes these
 
 
 def cfg_for(dataset, **kw):
@@ -22,7 +24,6 @@ def texts(n=40):
     return [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 3 for i in range(n)]
 
 
-@pytest.mark.shipped
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "csv", "parquet", "folder"])
 def test_local_formats_give_packed_blocks(tmp_path, kind):
     docs = texts()
@@ -54,7 +55,6 @@ def test_local_formats_give_packed_blocks(tmp_path, kind):
     assert "document" in decoded or "fox" in decoded or "lazy" in decoded
 
 
-@pytest.mark.shipped
 def test_packing_is_cached_between_runs(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl")
     first, _ = data.build_datasets(cfg_for(path))
@@ -66,7 +66,6 @@ def test_packing_is_cached_between_runs(tmp_path):
     assert torch.equal(first[5]["input_ids"], second[5]["input_ids"])
 
 
-@pytest.mark.shipped
 def test_eval_split_does_not_move_with_the_seed(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl")
     _, eval_a = data.build_datasets(cfg_for(path, seed=1))
@@ -74,7 +73,6 @@ def test_eval_split_does_not_move_with_the_seed(tmp_path):
     assert torch.equal(eval_a[:]["input_ids"], eval_b[:]["input_ids"])
 
 
-@pytest.mark.shipped
 def test_bad_datasets_are_one_line_errors(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"body": "x" * 400}) + "\n")
@@ -97,7 +95,6 @@ def test_bad_datasets_are_one_line_errors(tmp_path):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.shipped
 def test_python_stdlib_corpus_is_written_once(tmp_path):
     target = data.write_python_stdlib_corpus(tmp_path)
     rows = [json.loads(line) for line in target.read_text().splitlines()]
@@ -107,7 +104,6 @@ def test_python_stdlib_corpus_is_written_once(tmp_path):
     assert data.write_python_stdlib_corpus(tmp_path) == target and target.stat().st_mtime_ns == stamp
 
 
-@pytest.mark.shipped
 def test_hub_name_offline_is_a_fast_clear_error(tmp_path):
     result = run_python(["--dataset", "someone/no-such-dataset", "--output_dir", tmp_path / "out"], tmp_path,
                         timeout=120)
@@ -117,76 +113,6 @@ def test_hub_name_offline_is_a_fast_clear_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# ---------------------------------------------------------------- data order
-
-
-def test_epoch_sampler_is_a_seeded_permutation_per_epoch_cut_to_whole_global_batches():
-    sampler = data.EpochSampler(50, seed=7, samples_per_step=8)
-    epoch0 = list(sampler)
-    assert len(epoch0) == len(sampler) == 48 and len(set(epoch0)) == 48 and list(sampler) == epoch0
-    sampler.set_epoch(1)
-    epoch1 = list(sampler)
-    assert epoch1 != epoch0 and len(set(epoch1)) == 48 and set(epoch0) | set(epoch1) == set(range(50))
-
-
-def test_start_next_pass_at_skips_into_one_pass_only():
-    sampler = data.EpochSampler(50, seed=7, samples_per_step=10)
-    sampler.set_epoch(3)
-    full = list(sampler)
-    sampler.start_next_pass_at(20)
-    assert list(sampler) == full[20:]
-    assert list(sampler) == full  # once
-
-
-@pytest.mark.parametrize("n, batch, world, drop_last", [(103, 4, 2, True), (103, 4, 2, False), (50, 4, 3, False),
-                                                        (5, 4, 2, False), (48, 4, 3, False), (64, 8, 4, True)])
-def test_the_torch_path_splits_batches_exactly_as_accelerate(n, batch, world, drop_last):
-    """RankBatches against Accelerate's own BatchSamplerShard (what accelerator.prepare uses): the same
-    indices in the same order on every rank, padding included, and the same count of real samples."""
-    from accelerate.data_loader import BatchSamplerShard
-    from torch.utils.data import BatchSampler
-
-    sampler = data.EpochSampler(n, seed=3, samples_per_step=1)
-    for rank in range(world):
-        ours = RankBatches(sampler, batch, world, rank, drop_last)
-        theirs = BatchSamplerShard(BatchSampler(sampler, batch, drop_last), world, rank)
-        assert list(ours) == list(theirs) and len(ours) == len(theirs)
-    expected_real = None if drop_last or n % (batch * world) == 0 else n % (batch * world)
-    assert ours.real_samples_in_last == expected_real
-
-
-def global_steps(world, batch, accum, steps, start=None, n=90, seed=5):
-    """The samples of each optimizer step (all ranks, all micro-steps), through TrainBatches on every rank
-    of a world of `world` (each rank's TorchDDP loader, without a process group); `start` resumes from a
-    TrainBatches state_dict."""
-    global_batch = world * batch * accum
-    streams = []
-    for rank in range(world):
-        plumbing = TorchDDP(TrainConfig(batch_size=batch, grad_accum_steps=accum))
-        plumbing.num_processes, plumbing.process_index = world, rank  # this rank's view
-        sampler = data.EpochSampler(n, seed, global_batch)
-        loader = plumbing.prepare(DataLoader(torch.arange(n), batch_size=batch, sampler=sampler, drop_last=True,
-                                             collate_fn=lambda ids: {"ids": torch.stack(ids)}))
-        streams.append(data.TrainBatches(loader, sampler, batch * world))
-        if start is not None:
-            streams[-1].load_state_dict(start)
-    steps_seen = [sorted(torch.cat([next(s)["ids"] for _ in range(accum) for s in streams]).tolist())
-                  for _ in range(steps)]
-    return steps_seen, streams[0].state_dict()
-
-
-def test_a_resume_on_another_world_size_continues_with_the_same_samples_in_every_step():
-    uninterrupted, _ = global_steps(world=2, batch=8, accum=1, steps=14)  # 90 // 16 = 5 steps an epoch
-    _, position = global_steps(world=2, batch=8, accum=1, steps=7)
-    assert position == {"micro_batches": 7, "samples_per_micro_batch": 16}
-    for world, batch, accum in [(4, 4, 1), (1, 16, 1), (1, 8, 2), (2, 2, 4)]:
-        resumed, _ = global_steps(world, batch, accum, steps=7, start=position)
-        assert resumed == uninterrupted[7:], (world, batch, accum)
-    with pytest.raises(ValueError, match="global batch changed"):
-        global_steps(world=1, batch=6, accum=1, steps=1, start={"micro_batches": 1, "samples_per_micro_batch": 16})
-
-
-@pytest.mark.shipped
 def test_prepare_script_fills_the_cache_a_run_then_reuses(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl")
     result = run_python(["--dataset", path, "--block_size", 16], tmp_path, script=REPO / "data" / "prepare.py",

@@ -12,9 +12,12 @@ import yaml
 from transformers import AutoTokenizer
 
 import data
+import lm
 from checkpoint import save_safetensors
-from config import ConfigError, TrainConfig, load_config
+from config import TrainConfig, load_config
+from errors import ConfigError
 from conftest import REPO, save_tiny_llama
+from job import load_checked_config
 from model import build_model
 
 
@@ -25,10 +28,11 @@ def sample_script():
     return module
 
 
+@pytest.mark.shipped
 def test_documents_end_with_eos_and_ids_take_the_narrowest_unsigned_type(corpus, bpe_tokenizer):
     tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer)
     texts = ["def f(x):\n    return x", "import os"]
-    packed = data.tokenize({"text": texts}, block_size=4, text_column="text", tokenizer=tokenizer)["input_ids"]
+    packed = data.pack({"text": texts}, block_size=4, text_column="text", tokenizer=tokenizer)["input_ids"]
     expected = [t for text in texts for t in [*tokenizer(text, add_special_tokens=False)["input_ids"],
                                               tokenizer.eos_token_id]]
     assert packed.dtype == np.uint16 and packed.reshape(-1).tolist() == expected[:len(expected) // 4 * 4]
@@ -36,18 +40,18 @@ def test_documents_end_with_eos_and_ids_take_the_narrowest_unsigned_type(corpus,
     cfg = load_config(["--dataset", str(corpus), "--block_size", "32", "--tokenizer", str(bpe_tokenizer)])
     train, _ = data.build_datasets(cfg)
     assert str(train.features["input_ids"].feature.dtype) == "uint16"  # on disk: 2 bytes a token, not 8
-    assert data.vocab_size(cfg) == 320 and build_model(cfg).lm_head.weight.shape[0] == 320  # the GPT fits it
-    assert data.tokenize({"text": ["ab"]}, 1, "text")["input_ids"].dtype == np.uint8  # bytes, as before
+    assert lm.vocab_size(cfg) == 320 and build_model(cfg).lm_head.weight.shape[0] == 320  # the GPT fits it
+    assert data.pack({"text": ["ab"]}, "text", 1)["input_ids"].dtype == np.uint8  # bytes, as before
 
 
 def test_a_hugging_face_model_from_a_folder_pretrained_or_fresh(corpus, bpe_tokenizer, tiny_llama):
     args = ["--dataset", str(corpus), "--block_size", "32", "--model", str(tiny_llama), "--tokenizer",
             str(bpe_tokenizer)]
-    pretrained = build_model(load_config(args))
+    pretrained = lm.build_causal_lm(load_config(args), build_model)
     saved = pretrained.state_dict()
     assert type(pretrained).__name__ == "LlamaForCausalLM" and saved["model.embed_tokens.weight"].dtype == torch.float32
     torch.manual_seed(1)
-    fresh = build_model(load_config([*args, "--model_weights", "config"]))
+    fresh = lm.build_causal_lm(load_config([*args, "--model_weights", "config"]), build_model)
     assert not torch.equal(fresh.state_dict()["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
     ids = torch.randint(0, 320, (2, 32))
     output = pretrained(input_ids=ids, labels=ids)
@@ -69,7 +73,7 @@ def test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts(flags, mess
         save_tiny_llama(folders["SMALL_LLAMA"], vocab_size=100)
     flags = [str(folders.get(flag, flag)) for flag in flags]
     with pytest.raises(ConfigError, match=message) as refused:
-        load_config(["--dataset", str(corpus), "--block_size", "32", *flags])
+        load_checked_config(["--dataset", str(corpus), "--block_size", "32", *flags])
     assert "\n" not in str(refused.value)
 
 
@@ -77,10 +81,11 @@ def write_run_folder(folder, cfg):
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(asdict(cfg)))
     torch.manual_seed(0)
-    save_safetensors(build_model(cfg), folder / "model.safetensors")
+    save_safetensors(lm.build_causal_lm(cfg, build_model), folder / "model.safetensors")
     return folder
 
 
+@pytest.mark.shipped
 def test_sample_gives_the_same_text_for_the_same_seed_and_refuses_weights_of_another_shape(tmp_path):
     sample = sample_script()
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)

@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 
-from config import ConfigError, TrainConfig
-from data import BYTE_VOCAB_SIZE as VOCAB_SIZE
-from model import build_model, causal_lm_loss, checkpoint_activations, next_token_counts
+from config import TrainConfig
+from errors import ConfigError
+from lm import BYTE_VOCAB_SIZE as VOCAB_SIZE
+from lm import causal_lm_loss, checkpoint_activations
+from model import build_model
 
 pytestmark = pytest.mark.shipped  # the shipped GPT: a fork that swaps the model adapts or deletes these
 
@@ -90,21 +92,3 @@ def test_activation_checkpointing_recomputes_the_same_loss_and_gradients_with_th
     assert torch.equal(losses[0], losses[1])
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), recomputed.parameters(), strict=True))
     assert plain.state_dict().keys() == recomputed.state_dict().keys()  # checkpoints and exports unchanged
-
-
-def test_a_model_without_named_blocks_cannot_be_checkpointed_or_sharded_and_says_why():
-    with pytest.raises(ConfigError, match=r"Linear._no_split_modules must name its transformer block class"):
-        checkpoint_activations(torch.nn.Linear(2, 2))
-
-
-def test_eval_counts_are_exact_in_any_chunking_and_ignore_masked_labels():
-    torch.manual_seed(0)
-    logits, labels = torch.randn(3, 9, 50, dtype=torch.bfloat16), torch.randint(0, 50, (3, 9))
-    labels[1, 5:] = -100  # a padded sample: its last positions do not count
-    whole = next_token_counts(logits, labels)
-    one_position_at_a_time = next_token_counts(logits, labels, max_floats=1)
-    assert torch.allclose(whole, one_position_at_a_time, rtol=1e-12)
-    assert whole[:, 1].tolist() == [8, 4, 8]  # tokens counted: 8 predictions per sample, 4 in the padded one
-    assert torch.allclose((whole[:, 0] / whole[:, 1]).float(), causal_lm_loss(logits, labels), rtol=1e-6)
-    right = (logits[:, :-1].argmax(-1) == labels[:, 1:]) & (labels[:, 1:] != -100)
-    assert whole[:, 2].tolist() == right.sum(1).tolist()

@@ -11,10 +11,13 @@ from safetensors.torch import load_model
 
 import checkpoint
 import resume as resuming
-from checkpoint import CheckpointError, TrainState
-from config import ConfigError, TrainConfig
+from checkpoint import TrainState
+from errors import CheckpointError
+from config import TrainConfig
+from errors import ConfigError
 from conftest import free_port
-from model import build_model, checkpoint_activations
+from lm import checkpoint_activations
+from model import build_model
 from optim import build_optimizer
 from torch_ddp import TorchDDP
 
@@ -90,7 +93,7 @@ def test_a_sharded_checkpoint_round_trips_bitwise_inside_the_commit_protocol(tmp
     train_a_step(model, optimizer)
     state = TrainState()
     parts = checkpoint.checkpoint_parts(plumbing, model=model, optimizer=optimizer, train_state=state)
-    assert parts["model"].sharded and parts["optimizer"].sharded
+    assert isinstance(parts["model"], checkpoint.Sharded) and isinstance(parts["optimizer"], checkpoint.Sharded)
     state.step = 1
     folder = checkpoint.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
     saved = snapshot(model, optimizer)
@@ -98,14 +101,14 @@ def test_a_sharded_checkpoint_round_trips_bitwise_inside_the_commit_protocol(tmp
     for part in ("model", "optimizer"):  # each a torch.distributed.checkpoint folder, every file checksummed
         assert {f"{part}/.metadata", f"{part}/__0_0.distcp"} <= set(files)
     train_a_step(model, optimizer, seed=1)  # move away from the saved state, then come back
-    assert resuming.checkpoint_problem(folder) is None
-    resuming.load_checkpoint(plumbing, cfg, folder, parts, IDENTITY)
+    assert checkpoint.checkpoint_problem(folder) is None
+    resuming.resume_from(plumbing, cfg, folder, parts, IDENTITY)
     weights, optimizer_state = snapshot(model, optimizer)
     assert all(torch.equal(weights[k], saved[0][k]) for k in weights)
     assert all(torch.equal(a[k], b[k]) for a, b in zip(optimizer_state, saved[1], strict=True) for k in a)
     shard = folder / "model" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-8] + b"altered!")
-    assert "model/__0_0.distcp does not match its checksum" in resuming.checkpoint_problem(folder)
+    assert "model/__0_0.distcp does not match its checksum" in checkpoint.checkpoint_problem(folder)
 
 
 def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_path, launched):
@@ -118,11 +121,11 @@ def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_pat
     plain_parts = checkpoint.checkpoint_parts(plain, model=plain_model, optimizer=build_optimizer(plain_model, cfg),
                                               train_state=TrainState())
     with pytest.raises(CheckpointError, match="holds model sharded and this run's is unsharded") as refused:
-        resuming.load_checkpoint(plain, unsharded_cfg, sharded, plain_parts, IDENTITY)
+        resuming.resume_from(plain, unsharded_cfg, sharded, plain_parts, IDENTITY)
     assert "\n" not in str(refused.value)
     unsharded = checkpoint.save_checkpoint(plain, unsharded_cfg, plain_parts, 1, IDENTITY)
     with pytest.raises(CheckpointError, match="holds model unsharded and this run's is sharded"):
-        resuming.load_checkpoint(plumbing, cfg, unsharded, parts, IDENTITY)
+        resuming.resume_from(plumbing, cfg, unsharded, parts, IDENTITY)
 
 
 def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_reads_it_back(tmp_path, launched):
@@ -138,7 +141,7 @@ def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_r
     checkpoint.save_safetensors(plain, unsharded)
     assert path.read_bytes() == unsharded.read_bytes()
     fresh = plumbing.prepare(build_model(cfg))
-    resuming.init_weights(plumbing, fresh, str(path))
+    resuming.init_weights(plumbing.unwrap_model(fresh, keep_torch_compile=False), str(path))
     assert all(torch.equal(full(v), trained[k]) for k, v in fresh.state_dict().items())
 
 
@@ -167,7 +170,7 @@ def test_the_ddp_knobs_reach_accelerates_ddp(tmp_path):
 
 
 def test_the_ddp_knobs_reach_ddp_on_the_torch_path(tmp_path, launched):
-    from job import init_process_group
+    from plumbing import init_process_group
 
     cfg = cfg_for(tmp_path, **KNOBS)
     init_process_group(60)

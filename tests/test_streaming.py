@@ -4,12 +4,17 @@ import io
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from config import ConfigError, load_config
-from data import build_datasets, token_stream
-from streaming import StreamBatches
+from conftest import write_corpus
+
+from config import load_config
+from errors import ConfigError
+import data
+from data import build_datasets
+from streaming import DOCUMENTS_PER_READ, StreamBatches
 
 
 def streaming_config(corpus, *flags):
@@ -31,17 +36,21 @@ def one_epoch(stream):
         drawn.append((sample_id, block))
 
 
-def test_each_process_packs_its_own_share_and_together_they_cover_every_document_once(corpus):
+def test_each_process_packs_its_own_share_and_together_they_cover_every_document_once(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus.jsonl", n_docs=300)  # several reads per process and epoch
     cfg = streaming_config(corpus)
     documents, _ = build_datasets(cfg)
-    texts = [doc["text"] for doc in documents]  # the training documents, in the stream's order
+    rows = list(documents)  # the training documents, in the stream's order
+    pack = data.packer(cfg)  # the fork's one packer, as the map-style path uses it
     for rank in range(2):
         drawn, _ = one_epoch(StreamBatches(documents, cfg, process(rank)))
         packed = torch.cat([torch.from_numpy(block) for _, block in sorted(drawn, key=lambda item: item[0])])
-        # a single file is shared document by document: rank r reads documents r, r + 2, ...
-        share = torch.from_numpy(token_stream(texts[rank::2]).copy())
-        assert packed.tolist() == share[:len(packed)].tolist()
-        assert len(share) - len(packed) < cfg.block_size  # only the tail that makes no whole block is left out
+        # a single file is shared document by document: rank r reads documents r, r + 2, ..., packed as read
+        share = rows[rank::2]
+        reads = [share[i : i + DOCUMENTS_PER_READ] for i in range(0, len(share), DOCUMENTS_PER_READ)]
+        expected = [pack({key: [row[key] for row in read] for key in read[0]})["input_ids"] for read in reads]
+        assert len(reads) > 1
+        assert packed.tolist() == torch.cat([torch.as_tensor(blocks) for blocks in expected]).flatten().tolist()
         assert sorted(i for (_, i), _ in drawn) == list(range(len(drawn)))  # every block drawn once
 
 
@@ -75,6 +84,7 @@ def test_a_stream_restored_from_its_state_draws_exactly_what_the_original_draws_
     assert original.epoch == restored.epoch == 1
 
 
+@pytest.mark.shipped
 def test_the_eval_set_is_held_out_text_whatever_its_position(corpus):
     cfg = streaming_config(corpus)
     documents, evaluation = build_datasets(cfg)
@@ -88,10 +98,41 @@ def test_the_eval_set_is_held_out_text_whatever_its_position(corpus):
 
 def test_a_stream_without_the_text_column_or_with_loader_workers_is_a_one_line_error_at_start_up(tmp_path, corpus):
     with pytest.raises(ConfigError, match="text_column 'body' is not a column of .* \\(columns: text, id\\)"):
-        streaming_config(corpus, "--text_column", "body")
+        build_datasets(streaming_config(corpus, "--text_column", "body"))  # reads the first row only
     with pytest.raises(ConfigError, match="num_workers must be 0 with streaming"):
         streaming_config(corpus, "--num_workers", "2")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ConfigError, match="dataset '.*empty.jsonl' cannot be read as json files"):
-        streaming_config(empty)
+        build_datasets(streaming_config(empty))
+
+
+def test_one_packer_makes_every_block_map_style_and_streamed(corpus, monkeypatch):
+    """data.packer is the run's one packer: changed, the map-style train and eval blocks, the streamed training
+    blocks and the streamed eval set all change the same way."""
+    map_cfg = load_config(["--dataset", str(corpus), "--block_size", "16"])
+    stream_cfg = streaming_config(corpus)
+
+    def blocks_of(cfg):
+        train, evaluation = build_datasets(cfg)
+        if not cfg.streaming:
+            return [train[:]["input_ids"], evaluation[:]["input_ids"]]
+        stream = StreamBatches(train, cfg, process(0))
+        drawn = torch.stack([torch.as_tensor(stream.next_block()[1]).long() for _ in range(20)])
+        return [drawn, evaluation[:]["input_ids"]]
+
+    before = blocks_of(map_cfg) + blocks_of(stream_cfg)
+    original_packer = data.packer
+
+    def reversing_packer(cfg):
+        pack = original_packer(cfg)
+
+        def reversed_blocks(documents):
+            return {"input_ids": np.asarray(pack(documents)["input_ids"])[:, ::-1].copy()}
+
+        return reversed_blocks
+
+    monkeypatch.setattr(data, "packer", reversing_packer)
+    after = blocks_of(map_cfg) + blocks_of(stream_cfg)
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(new.long(), old.long().flip(-1))

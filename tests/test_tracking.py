@@ -8,7 +8,8 @@ import torch
 from config import TrainConfig
 from model import build_model
 from torch_ddp import TorchDDP
-from tracking import MetricsLogger, Throughput, flops_per_token, peak_flops_per_gpu, wandb_init_kwargs
+from lm import flops_per_token
+from tracking import MetricsLogger, Throughput, peak_flops_per_gpu, wandb_init_kwargs
 
 
 @pytest.mark.shipped
@@ -53,7 +54,7 @@ def test_logger_is_a_no_op_off_the_main_process(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")  # the view of rank 1 (on another node), without a process group
     monkeypatch.setenv("LOCAL_RANK", "1")
     log = MetricsLogger(cfg, TorchDDP(cfg))
-    log.start(0, {"processes": 2})
+    log.start(log.cfg, 0, {"processes": 2})
     log.start_trackers("abc", 0)
     log.log(1, {"loss": 1.0})
     log.stopped(1, "SIGTERM", "somewhere")
@@ -78,7 +79,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     torn = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo'
     (tmp_path / "run" / "metrics.jsonl").write_text(torn)
     log = MetricsLogger(cfg, TorchDDP(cfg))
-    log.start(2, {})  # resumed at step 2: the crash tore the row of step 3 mid-write
+    log.start(log.cfg, 2, {})  # resumed at step 2: the crash tore the row of step 3 mid-write
     log.log(3, {"loss": 1.25})
     log.close()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

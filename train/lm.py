@@ -156,6 +156,13 @@ def uses_hub_model(cfg) -> bool:
     return cfg.model != LOCAL_MODEL
 
 
+def build_causal_lm(cfg, build_model) -> nn.Module:
+    """The model to train: the Hugging Face model --model names, or else `build_model(cfg)` (model.py's)."""
+    if uses_hub_model(cfg):
+        return hugging_face_model(cfg)
+    return build_model(cfg)
+
+
 def hugging_face_model(cfg) -> nn.Module:
     """--model NAME: its pretrained weights (fine-tuning), or its architecture with fresh weights
     (model_weights: config), in fp32: mixed precision casts for compute, the optimizer steps fp32 weights."""

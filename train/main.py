@@ -38,14 +38,13 @@ from data import build_datasets, collate
 from errors import ConfigError, RunError
 from job import claim_run_folder, load_config_or_exit, run_or_exit, stop_signals
 from lm import (
+    build_causal_lm,
     check_loss_contract,
     checkpoint_activations,
     eval_columns,
     eval_metrics,
     flops_per_token,
-    hugging_face_model,
     save_tokenizer,
-    uses_hub_model,
 )
 from model import build_model
 from optim import build_optimizer, lr_at, set_lr
@@ -146,8 +145,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
         )
     eval_loader = DataLoader(fast_reader(eval_set), **loader_options(cfg))
     # ---------------------------------------------------------------- model and optimizer
-    # --model NAME: a Hugging Face model instead of model.py's
-    model = hugging_face_model(cfg) if uses_hub_model(cfg) else build_model(cfg)
+    model = build_causal_lm(cfg, build_model)  # model.py's, or the Hugging Face model --model names
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
     optimizer = build_optimizer(model, cfg)

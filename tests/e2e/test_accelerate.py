@@ -62,7 +62,7 @@ def test_each_rank_trains_on_its_own_part_of_every_global_batch(corpus, four_pro
     """What each of the session's 4 processes loaded (batch 4, 8 steps): rank r gets samples [4r, 4r + 4) of every
     global batch of 16, in the sampler's order, so no sample is seen twice and none is skipped."""
     cfg = load_config(tiny_args(four_processes.output_dir.parent / "probe", corpus))
-    order = list(data.EpochSampler(len(data.build_datasets(cfg)[0]), cfg.seed, samples_per_step=16))
+    order = list(batches.EpochSampler(len(data.build_datasets(cfg)[0]), cfg.seed, samples_per_step=16))
     loaded = [json.loads((four_processes.output_dir.parent / "ids" / f"rank{r}.json").read_text()) for r in range(4)]
     for step in range(8):  # (a loader's read-ahead records a few more at the end)
         global_batch = order[step * 16:(step + 1) * 16]
