@@ -61,7 +61,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "train"))
 
 VARIANTS = ("bare", "accelerate", "torch")
-FIXED_COST_MODEL = ["--n_layer", "1", "--n_head", "1", "--n_embd", "32", "--block_size", "16", "--batch_size", "1"]
+FIXED_COST_MODEL = [
+    "--n_layer",
+    "1",
+    "--n_head",
+    "1",
+    "--n_embd",
+    "32",
+    "--block_size",
+    "16",
+    "--batch_size",
+    "1",
+]
 
 
 def main(argv: list[str]) -> None:
@@ -71,7 +82,11 @@ def main(argv: list[str]) -> None:
         return
     if opts["processes"] > 1 and "WORLD_SIZE" not in os.environ:
         sys.exit(relaunch(argv, opts["processes"]))
-    variants = VARIANTS + (("streaming",) if opts["streaming"] else ()) + (("nanogpt",) if opts["nanogpt"] else ())
+    variants = (
+        VARIANTS
+        + (("streaming",) if opts["streaming"] else ())
+        + (("nanogpt",) if opts["nanogpt"] else ())
+    )
     reporting = int(os.environ.get("RANK", "0")) == 0
     results = []
     for _ in range(opts["repeat"]):
@@ -80,18 +95,34 @@ def main(argv: list[str]) -> None:
             print(report(results[-1]), end="\n\n", flush=True)
     if opts["repeat"] > 1 and reporting:
         first, second = (r["accelerate_over_bare"]["median"] for r in results[:2])
-        print(f"back to back: accelerate / bare {first:.3f} then {second:.3f} "
-              f"({100 * abs(second - first) / first:.1f}% apart)")
+        print(
+            f"back to back: accelerate / bare {first:.3f} then {second:.3f} "
+            f"({100 * abs(second - first) / first:.1f}% apart)"
+        )
     if opts["out"] and reporting:
-        Path(opts["out"]).write_text(json.dumps(results if len(results) > 1 else results[0], indent=2) + "\n")
+        Path(opts["out"]).write_text(
+            json.dumps(results if len(results) > 1 else results[0], indent=2) + "\n"
+        )
 
 
 def relaunch(argv: list[str], processes: int) -> int:
     """This script again, in `processes` processes, launched as the template's default job is."""
     config = "8gpu.yaml" if _on_gpu() else "cpu.yaml"
-    return subprocess.call([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                            str(REPO / "accelerate_configs" / config), "--num_processes", str(processes),
-                            "--main_process_port", str(_free_port()), __file__, *argv])
+    return subprocess.call(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "accelerate_configs" / config),
+            "--num_processes",
+            str(processes),
+            "--main_process_port",
+            str(_free_port()),
+            __file__,
+            *argv,
+        ]
+    )
 
 
 def _free_port() -> int:
@@ -103,8 +134,17 @@ def _free_port() -> int:
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str]]:
-    opts = {"out": "", "nanogpt": "", "rounds": 12, "block": 10, "warmup": 2, "repeat": 1, "startup": 0,
-            "streaming": False, "processes": 1}
+    opts = {
+        "out": "",
+        "nanogpt": "",
+        "rounds": 12,
+        "block": 10,
+        "warmup": 2,
+        "repeat": 1,
+        "startup": 0,
+        "streaming": False,
+        "processes": 1,
+    }
     rest, i = [], 0
     while i < len(argv):
         key = argv[i].removeprefix("--")
@@ -120,13 +160,26 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
             opts[key] = argv[i + 1] if key in ("out", "nanogpt") else int(argv[i + 1])
             i += 1
         else:
-            rest += argv[i:i + 2]
+            rest += argv[i : i + 2]
             i += 1
         i += 1
-    steps = 1 + opts["rounds"] * opts["block"]  # the first step of each variant runs before the baton
-    defaults = ["--config", str(REPO / "train/configs/tiny.yaml"), "--max_steps", str(steps),
-                "--log_every", str(opts["block"]), "--warmup_steps", "2", "--eval_every", str(10 * steps),
-                "--save_every", "0"]
+    steps = (
+        1 + opts["rounds"] * opts["block"]
+    )  # the first step of each variant runs before the baton
+    defaults = [
+        "--config",
+        str(REPO / "train/configs/tiny.yaml"),
+        "--max_steps",
+        str(steps),
+        "--log_every",
+        str(opts["block"]),
+        "--warmup_steps",
+        "2",
+        "--eval_every",
+        str(10 * steps),
+        "--save_every",
+        "0",
+    ]
     return opts, defaults + rest
 
 
@@ -161,7 +214,9 @@ class Baton:
                     return  # its last block: it keeps the baton until its train() has returned (finish)
                 self._hand_over()
             else:
-                self.ready.add(name)  # its first step: set-up is over; the next variant may start its own
+                self.ready.add(
+                    name
+                )  # its first step: set-up is over; the next variant may start its own
                 self.cond.notify_all()
                 if len(self.ready) == len(self.names):
                     self._hand_over()
@@ -195,7 +250,10 @@ class Baton:
         while any(len(self.seconds[n]) < self.rounds for n in self.names):
             if not self.queue:
                 shift = self.round % len(self.names)
-                self.queue, self.round = list(self.names[shift:] + self.names[:shift]), self.round + 1
+                self.queue, self.round = (
+                    list(self.names[shift:] + self.names[:shift]),
+                    self.round + 1,
+                )
             candidate = self.queue.pop(0)
             if len(self.seconds[candidate]) < self.rounds:
                 self.holder = candidate
@@ -239,17 +297,25 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     from tracking import peak_flops_per_gpu
 
     cfg = load_config(train_args)
-    configs = {name: load_config([*train_args, *(["--streaming", "true"] if name == "streaming" else [])])
-               for name in variants}  # parsed and checked here, before any thread
+    configs = {
+        name: load_config([*train_args, *(["--streaming", "true"] if name == "streaming" else [])])
+        for name in variants
+    }  # parsed and checked here, before any thread
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        init_process_group(cfg.dist_timeout_s)  # once, for every variant: each plumbing would start its own
+        init_process_group(
+            cfg.dist_timeout_s
+        )  # once, for every variant: each plumbing would start its own
         accelerate_main.init_process_group = torch_ddp.init_process_group = lambda timeout_s: None
-    with _rank_zero_first():  # it fills the datasets cache, which the other ranks (and the variants) then read
+    with (
+        _rank_zero_first()
+    ):  # it fills the datasets cache, which the other ranks (and the variants) then read
         sample = data.build_datasets(cfg)[0][:FINAL_LOSS_BLOCKS]["input_ids"]
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
     local = threading.local()
-    next_batch = {stream: stream.__next__ for stream in (batches.TrainBatches, streaming.StreamBatches)}
+    next_batch = {
+        stream: stream.__next__ for stream in (batches.TrainBatches, streaming.StreamBatches)
+    }
 
     def timed_next(self):
         start = time.perf_counter()
@@ -267,15 +333,25 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
             elif name == "nanogpt":
                 nanogpt_loop(cfg, baton, sample, Path(opts["nanogpt"]), workdir)
             else:
-                plumbing = torch_ddp.TorchDDP(cfg) if name == "torch" else accelerate_main.build_accelerator(cfg)
+                plumbing = (
+                    torch_ddp.TorchDDP(cfg)
+                    if name == "torch"
+                    else accelerate_main.build_accelerator(cfg)
+                )
                 accelerate_main.train(cfg, plumbing)
                 model = trained[name]
-                baton.final_loss[name] = sample_loss(lambda x: model(input_ids=x, labels=x).loss, model, sample)
+                baton.final_loss[name] = sample_loss(
+                    lambda x: model(input_ids=x, labels=x).loss, model, sample
+                )
         except BaseException as e:  # noqa: BLE001 - reported after the other threads are released
             error = e
         baton.finish(name, error)
 
-    original_step, original_export, trained = accelerate_main.Throughput.step, accelerate_main.export_model, {}
+    original_step, original_export, trained = (
+        accelerate_main.Throughput.step,
+        accelerate_main.export_model,
+        {},
+    )
 
     def step(self):
         original_step(self)
@@ -287,16 +363,23 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
 
     with tempfile.TemporaryDirectory() as own_folder:
         shared = [own_folder]
-        if dist.is_initialized():  # the ranks of each variant share one run folder, as a job's ranks do
+        if (
+            dist.is_initialized()
+        ):  # the ranks of each variant share one run folder, as a job's ranks do
             dist.broadcast_object_list(shared)
         workdir = Path(shared[0])
         batches.TrainBatches.__next__ = streaming.StreamBatches.__next__ = timed_next
         accelerate_main.Throughput.step, accelerate_main.export_model = step, export_model
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # train()'s log lines
-                threads = [threading.Thread(target=run, args=(name, workdir), name=name) for name in variants]
-                for thread in threads:  # set-up and first step alone: collectives meet in one order on every rank,
-                    thread.start()      # and datasets' and tokenizers' first calls need no thread safety
+                threads = [
+                    threading.Thread(target=run, args=(name, workdir), name=name)
+                    for name in variants
+                ]
+                for thread in (
+                    threads
+                ):  # set-up and first step alone: collectives meet in one order on every rank,
+                    thread.start()  # and datasets' and tokenizers' first calls need no thread safety
                     if not baton.wait_until_ready(thread.name):
                         break
                 for thread in (thread for thread in threads if thread.ident is not None):
@@ -304,7 +387,10 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         finally:
             for stream, original in next_batch.items():
                 stream.__next__ = original
-            accelerate_main.Throughput.step, accelerate_main.export_model = original_step, original_export
+            accelerate_main.Throughput.step, accelerate_main.export_model = (
+                original_step,
+                original_export,
+            )
         if dist.is_initialized() and not baton.errors:
             dist.barrier()  # every rank is done with rank 0's folder before it goes
     if baton.errors:
@@ -312,7 +398,11 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = cfg.batch_size * cfg.grad_accum_steps * cfg.block_size * world_size
     summary = summarize(baton, opts["warmup"], block, tokens, train_args)
-    peak = _on_gpu() and cfg.mixed_precision in ("bf16", "fp16") and peak_flops_per_gpu(torch.cuda.get_device_name())
+    peak = (
+        _on_gpu()
+        and cfg.mixed_precision in ("bf16", "fp16")
+        and peak_flops_per_gpu(torch.cuda.get_device_name())
+    )
     if peak:  # MFU against the dense bf16 peak, as train() logs it (PaLM's FLOPs per token)
         model_flops = flops_per_token(build_model(cfg))
         for name in variants:
@@ -344,21 +434,29 @@ def bare_loop(cfg, baton: Baton, sample) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     world_size, rank = _world()
     train_set, _ = build_datasets(cfg)
-    blocks = train_set[:]["input_ids"]  # the whole packed train set as one (N, block_size) int64 tensor
+    blocks = train_set[:][
+        "input_ids"
+    ]  # the whole packed train set as one (N, block_size) int64 tensor
     torch.manual_seed(cfg.seed)
     model = build_model(cfg).to(device)
     optimizer = build_optimizer(model, cfg)
     model = _ddp(model) if world_size > 1 else model
     model = torch.compile(model) if cfg.compile else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"
+    )
     generator = torch.Generator().manual_seed(cfg.seed)
-    order, position, global_batch = torch.randperm(len(blocks), generator=generator), 0, cfg.batch_size * world_size
+    order, position, global_batch = (
+        torch.randperm(len(blocks), generator=generator),
+        0,
+        cfg.batch_size * world_size,
+    )
     for step in range(cfg.max_steps):
         for micro_step in range(cfg.grad_accum_steps):
             start = time.perf_counter()
             if position + global_batch > len(order):
                 order, position = torch.randperm(len(blocks), generator=generator), 0
-            mine = order[position + rank * cfg.batch_size:position + (rank + 1) * cfg.batch_size]
+            mine = order[position + rank * cfg.batch_size : position + (rank + 1) * cfg.batch_size]
             x = blocks[mine].to(device, non_blocking=True)
             position += global_batch
             baton.loader_wait("bare", time.perf_counter() - start)
@@ -374,7 +472,9 @@ def bare_loop(cfg, baton: Baton, sample) -> None:
             loss.item()  # a logging loop waits for the device here, and only here
         baton.step("bare")
     plain = getattr(model, "module", model)
-    baton.final_loss["bare"] = sample_loss(lambda x: plain(input_ids=x, labels=x).loss, plain, sample)
+    baton.final_loss["bare"] = sample_loss(
+        lambda x: plain(input_ids=x, labels=x).loss, plain, sample
+    )
 
 
 def _world() -> tuple[int, int]:
@@ -406,19 +506,32 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     from data import build_datasets
     from lm import vocab_size
 
-    spec = importlib.util.spec_from_file_location("nanogpt_model", checkout / "model.py")  # ours is `model` too
+    spec = importlib.util.spec_from_file_location(
+        "nanogpt_model", checkout / "model.py"
+    )  # ours is `model` too
     nanogpt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(nanogpt)
     GPT, GPTConfig = nanogpt.GPT, nanogpt.GPTConfig  # noqa: N806 - nanoGPT's names
 
     world_size, rank = _world()
     train_set, _ = build_datasets(cfg)
-    path = Path(workdir) / f"nanogpt_train_{rank}.bin"  # nanoGPT's format: the token stream as uint16
+    path = (
+        Path(workdir) / f"nanogpt_train_{rank}.bin"
+    )  # nanoGPT's format: the token stream as uint16
     np.asarray(train_set[:]["input_ids"], dtype=np.uint16).reshape(-1).tofile(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size(cfg), n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias)).to(device)
+    model = GPT(
+        GPTConfig(
+            block_size=cfg.block_size,
+            vocab_size=vocab_size(cfg),
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_embd=cfg.n_embd,
+            dropout=cfg.dropout,
+            bias=cfg.bias,
+        )
+    ).to(device)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device)
     plain = model
     model = torch.compile(model) if cfg.compile else model
@@ -428,10 +541,16 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     def get_batch():  # train.py's, as written there
         data = np.memmap(path, dtype=np.uint16, mode="r")
         ix = torch.randint(len(data) - cfg.block_size, (cfg.batch_size,))
-        x = torch.stack([torch.from_numpy((data[i:i + cfg.block_size]).astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy((data[i + 1:i + 1 + cfg.block_size]).astype(np.int64)) for i in ix])
+        x = torch.stack(
+            [torch.from_numpy((data[i : i + cfg.block_size]).astype(np.int64)) for i in ix]
+        )
+        y = torch.stack(
+            [torch.from_numpy((data[i + 1 : i + 1 + cfg.block_size]).astype(np.int64)) for i in ix]
+        )
         if device == "cuda":
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(
+                device, non_blocking=True
+            )
         return x.to(device), y.to(device)
 
     def get_lr(it):  # train.py's
@@ -464,8 +583,9 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
         if (step + 1) % cfg.log_every == 0:
             loss.item()
         baton.step("nanogpt")
-    baton.final_loss["nanogpt"] = sample_loss(lambda x: plain(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1],
-                                              plain, sample)
+    baton.final_loss["nanogpt"] = sample_loss(
+        lambda x: plain(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1], plain, sample
+    )
 
 
 FINAL_LOSS_BLOCKS = 256  # the first training blocks: one fixed sample, the same for every variant
@@ -482,7 +602,9 @@ def sample_loss(loss_of, model, sample) -> float:
         return statistics.mean(loss_of(chunk.to(device)).item() for chunk in sample.split(32))
 
 
-def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train_args: list[str]) -> dict:
+def summarize(
+    baton: Baton, warmup: int, block: int, tokens_per_step: int, train_args: list[str]
+) -> dict:
     variants = tuple(baton.seconds)
     counted = {name: baton.seconds[name][warmup:] for name in variants}
     rounds = min(len(s) for s in counted.values())
@@ -491,46 +613,75 @@ def summarize(baton: Baton, warmup: int, block: int, tokens_per_step: int, train
         step_times = [s / block for s in counted[name]]
         waits = [w / s for w, s in zip(baton.waits[name][warmup:], counted[name], strict=True)]
         step = statistics.median(step_times)
-        summary[name] = {"step_time_s": step, "step_time_us": 1e6 * step, "tokens_per_s": tokens_per_step / step,
-                         "loader_wait_frac": statistics.median(waits), "final_loss": baton.final_loss[name],
-                         "peak_mem_gib": baton.peak_bytes.get(name, 0) / 2**30}
-    for key, top, bottom in (("accelerate_over_bare", "accelerate", "bare"),
-                             ("torch_over_accelerate", "torch", "accelerate"),
-                             ("streaming_over_accelerate", "streaming", "accelerate"),
-                             ("nanogpt_over_accelerate", "nanogpt", "accelerate"),  # = accelerate's speed-up
-                             ("nanogpt_over_bare", "nanogpt", "bare")):
+        summary[name] = {
+            "step_time_s": step,
+            "step_time_us": 1e6 * step,
+            "tokens_per_s": tokens_per_step / step,
+            "loader_wait_frac": statistics.median(waits),
+            "final_loss": baton.final_loss[name],
+            "peak_mem_gib": baton.peak_bytes.get(name, 0) / 2**30,
+        }
+    for key, top, bottom in (
+        ("accelerate_over_bare", "accelerate", "bare"),
+        ("torch_over_accelerate", "torch", "accelerate"),
+        ("streaming_over_accelerate", "streaming", "accelerate"),
+        ("nanogpt_over_accelerate", "nanogpt", "accelerate"),  # = accelerate's speed-up
+        ("nanogpt_over_bare", "nanogpt", "bare"),
+    ):
         if top not in counted:
             continue
-        ratios = [a / b for a, b in zip(counted[top][:rounds], counted[bottom][:rounds], strict=True)]
-        summary[key] = {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios)}
+        ratios = [
+            a / b for a, b in zip(counted[top][:rounds], counted[bottom][:rounds], strict=True)
+        ]
+        summary[key] = {
+            "median": statistics.median(ratios),
+            "low": min(ratios),
+            "high": max(ratios),
+        }
     return summary
 
 
 def report(summary: dict) -> str:
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"CPU, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"CPU, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}"
+    )
     processes = int(os.environ.get("WORLD_SIZE", "1"))
-    lines = [f"device: {device} x {processes} process{'es' if processes > 1 else ''}; {summary['rounds']} "
-             f"interleaved rounds of {summary['block_steps']} steps per variant",
-             "", f"{'variant':<11} {'step':>12} {'tokens/s':>12} {'loader wait':>12} {'final loss':>11}"]
+    lines = [
+        f"device: {device} x {processes} process{'es' if processes > 1 else ''}; {summary['rounds']} "
+        f"interleaved rounds of {summary['block_steps']} steps per variant",
+        "",
+        f"{'variant':<11} {'step':>12} {'tokens/s':>12} {'loader wait':>12} {'final loss':>11}",
+    ]
     for name in (name for name in (*VARIANTS, "streaming", "nanogpt") if name in summary):
         r = summary[name]
-        step = f"{r['step_time_us']:.0f} us" if r["step_time_s"] < 0.01 else f"{1e3 * r['step_time_s']:.2f} ms"
+        step = (
+            f"{r['step_time_us']:.0f} us"
+            if r["step_time_s"] < 0.01
+            else f"{1e3 * r['step_time_s']:.2f} ms"
+        )
         gpu = f"  MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""
         gpu += f"  peak memory {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") else ""
-        lines.append(f"{name:<11} {step:>12} {r['tokens_per_s']:>12,.0f} {100 * r['loader_wait_frac']:>11.2f}% "
-                     f"{r['final_loss']:>11.4f}{gpu}")
-    for key, label, target in (("accelerate_over_bare", "accelerate / bare:  ", "target <= 1.02"),
-                               ("torch_over_accelerate", "torch / accelerate: ", "target 0.98 .. 1.02"),
-                               ("streaming_over_accelerate", "streaming / map:    ", "step time, streamed / map-style"),
-                               ("nanogpt_over_accelerate", "nanogpt / accelerate:", "Accelerate's speed-up; >= 1.10"),
-                               ("nanogpt_over_bare", "nanogpt / bare:     ", "target >= 1.00")):
+        lines.append(
+            f"{name:<11} {step:>12} {r['tokens_per_s']:>12,.0f} {100 * r['loader_wait_frac']:>11.2f}% "
+            f"{r['final_loss']:>11.4f}{gpu}"
+        )
+    for key, label, target in (
+        ("accelerate_over_bare", "accelerate / bare:  ", "target <= 1.02"),
+        ("torch_over_accelerate", "torch / accelerate: ", "target 0.98 .. 1.02"),
+        ("streaming_over_accelerate", "streaming / map:    ", "step time, streamed / map-style"),
+        ("nanogpt_over_accelerate", "nanogpt / accelerate:", "Accelerate's speed-up; >= 1.10"),
+        ("nanogpt_over_bare", "nanogpt / bare:     ", "target >= 1.00"),
+    ):
         if key not in summary:
             continue
         r = summary[key]
-        lines.append(f"{label} {r['median']:.3f}  (rounds {r['low']:.3f} .. {r['high']:.3f}; {target})")
+        lines.append(
+            f"{label} {r['median']:.3f}  (rounds {r['low']:.3f} .. {r['high']:.3f}; {target})"
+        )
     return "\n".join(lines)
 
 
@@ -567,18 +718,51 @@ def measure_startup(train_args: list[str], launches: int) -> dict:
     from config import load_config
 
     cfg = load_config(train_args)
-    dataset = cfg.dataset if cfg.dataset != "python_stdlib" else str(REPO / "data/python_stdlib/stdlib.jsonl")
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  str(REPO / "accelerate_configs/cpu.yaml" if not _on_gpu() else REPO / "accelerate_configs/8gpu.yaml"),
-                  "--num_processes", "2"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    results: dict[str, list[float]] = {"accelerate launch": [], "torchrun": [], "minimal Accelerate script": []}
+    dataset = (
+        cfg.dataset
+        if cfg.dataset != "python_stdlib"
+        else str(REPO / "data/python_stdlib/stdlib.jsonl")
+    )
+    accelerate = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(
+            REPO / "accelerate_configs/cpu.yaml"
+            if not _on_gpu()
+            else REPO / "accelerate_configs/8gpu.yaml"
+        ),
+        "--num_processes",
+        "2",
+    ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+    ]
+    results: dict[str, list[float]] = {
+        "accelerate launch": [],
+        "torchrun": [],
+        "minimal Accelerate script": [],
+    }
     with tempfile.TemporaryDirectory() as workdir:
         for launch in range(launches):
             for kind in results:
                 out = Path(workdir) / f"{kind.replace(' ', '_')}_{launch}"
                 marker = out / "metrics.jsonl"
-                args = [*train_args, "--output_dir", str(out), "--log_every", "1", "--max_steps", "1"]
+                args = [
+                    *train_args,
+                    "--output_dir",
+                    str(out),
+                    "--log_every",
+                    "1",
+                    "--max_steps",
+                    "1",
+                ]
                 if kind == "accelerate launch":
                     cmd = [*accelerate, str(REPO / "train/main.py"), *args]
                 elif kind == "torchrun":
@@ -586,12 +770,23 @@ def measure_startup(train_args: list[str], launches: int) -> dict:
                 else:
                     out.mkdir(parents=True)
                     script = out / "minimal.py"
-                    script.write_text(MINIMAL_SCRIPT.format(
-                        train=str(REPO / "train"), dataset=dataset, marker=str(marker), block_size=cfg.block_size,
-                        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, batch_size=cfg.batch_size))
+                    script.write_text(
+                        MINIMAL_SCRIPT.format(
+                            train=str(REPO / "train"),
+                            dataset=dataset,
+                            marker=str(marker),
+                            block_size=cfg.block_size,
+                            n_layer=cfg.n_layer,
+                            n_head=cfg.n_head,
+                            n_embd=cfg.n_embd,
+                            batch_size=cfg.batch_size,
+                        )
+                    )
                     cmd = [*accelerate, str(script)]
                 started = time.perf_counter()
-                process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                process = subprocess.Popen(
+                    cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
                 while not (marker.exists() and marker.stat().st_size) and process.poll() is None:
                     time.sleep(0.01)
                 results[kind].append(time.perf_counter() - started)
@@ -607,9 +802,13 @@ def _on_gpu() -> bool:
 
 def startup_report(seconds: dict) -> str:
     minimal = seconds["minimal Accelerate script"]
-    return "\n".join(["launch to first optimizer step, 2 processes (median):"] + [
-        f"  {kind:<27} {value:6.2f} s  ({value / minimal:.2f}x the minimal script; target <= 1.2)"
-        for kind, value in seconds.items()])
+    return "\n".join(
+        ["launch to first optimizer step, 2 processes (median):"]
+        + [
+            f"  {kind:<27} {value:6.2f} s  ({value / minimal:.2f}x the minimal script; target <= 1.2)"
+            for kind, value in seconds.items()
+        ]
+    )
 
 
 if __name__ == "__main__":

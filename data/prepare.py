@@ -1,6 +1,6 @@
 """Download and pack a run's data into the Hugging Face cache ahead of training; see data/README.md.
 
-    python data/prepare.py --config train/configs/gpt2_small.yaml     # same flags as train/main.py
+python data/prepare.py --config train/configs/gpt2_small.yaml     # same flags as train/main.py
 """
 
 import sys
@@ -9,8 +9,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from config import load_config
-from errors import ConfigError  # noqa: E402
 from data import build_datasets  # noqa: E402
+from errors import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,8 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         sys.exit(f"error: {e}")
     tokens = (len(train_set) + len(eval_set)) * cfg.block_size
-    print(f"{cfg.dataset}: {len(train_set):,} train and {len(eval_set):,} eval blocks of {cfg.block_size} "
-          f"tokens ({tokens:,} tokens), cached for training")
+    print(
+        f"{cfg.dataset}: {len(train_set):,} train and {len(eval_set):,} eval blocks of {cfg.block_size} "
+        f"tokens ({tokens:,} tokens), cached for training"
+    )
 
 
 if __name__ == "__main__":

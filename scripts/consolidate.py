@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
@@ -27,13 +27,21 @@ def consolidate(checkpoint: Path, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     if not (checkpoint / "model" / ".metadata").is_file():
-        sys.exit(f"error: {checkpoint} holds no sharded model (model/.metadata); an unsharded checkpoint's "
-                 f"model.safetensors is already one file")
+        sys.exit(
+            f"error: {checkpoint} holds no sharded model (model/.metadata); an unsharded checkpoint's "
+            f"model.safetensors is already one file"
+        )
     cfg = saved_config(checkpoint / "config.yaml")
-    cfg = replace(cfg, model_weights="config")  # a Hugging Face model: its architecture; the shards hold the weights
+    cfg = replace(
+        cfg, model_weights="config"
+    )  # a Hugging Face model: its architecture; the shards hold the weights
     model = build_causal_lm(cfg, build_model)
-    state = {"model": model.state_dict()}  # the keys the shards were saved under; read into the model in place
-    with warnings.catch_warnings():  # "no process group: loading in a single process", which is the point
+    state = {
+        "model": model.state_dict()
+    }  # the keys the shards were saved under; read into the model in place
+    with (
+        warnings.catch_warnings()
+    ):  # "no process group: loading in a single process", which is the point
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=checkpoint / "model")
     save_safetensors(model, out)
@@ -41,7 +49,9 @@ def consolidate(checkpoint: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (checkpoints/step_N) of a sharded run")
+    parser.add_argument(
+        "checkpoint", type=Path, help="a checkpoint folder (checkpoints/step_N) of a sharded run"
+    )
     parser.add_argument("out", type=Path, help="the .safetensors file to write")
     args = parser.parse_args()
     consolidate(args.checkpoint, args.out)

@@ -24,8 +24,12 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm (before clipping)"),
-          ("tokens_per_s", "tokens/s (all processes)")]
+PANELS = [
+    ("loss", "loss"),
+    ("lr", "learning rate"),
+    ("grad_norm", "gradient norm (before clipping)"),
+    ("tokens_per_s", "tokens/s (all processes)"),
+]
 
 
 def plot(runs: dict[str, list[dict]], out: Path) -> None:
@@ -40,12 +44,21 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
         color = colors[number % len(colors)]  # one color per run, train and eval alike
         for ax, (key, _title) in zip(axes.flat, PANELS, strict=True):
             steps = [r["step"] for r in rows if r.get(key) is not None]
-            ax.plot(steps, [r[key] for r in rows if r.get(key) is not None], color=color,
-                    label=f"{label} train" if key == "loss" else label)
+            ax.plot(
+                steps,
+                [r[key] for r in rows if r.get(key) is not None],
+                color=color,
+                label=f"{label} train" if key == "loss" else label,
+            )
             if key == "loss" and any("eval_loss" in r for r in rows):
                 evals = [r for r in rows if "eval_loss" in r]
-                ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", color=color,
-                        label=f"{label} eval")
+                ax.plot(
+                    [r["step"] for r in evals],
+                    [r["eval_loss"] for r in evals],
+                    "o--",
+                    color=color,
+                    label=f"{label} eval",
+                )
     for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
         ax.set(xlabel="step", ylabel=key, title=title)
         ax.grid(alpha=0.3)
@@ -58,7 +71,9 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders or metrics.jsonl files")
-    parser.add_argument("--out", type=Path, help="PNG to write (default: metrics.png beside the first run)")
+    parser.add_argument(
+        "--out", type=Path, help="PNG to write (default: metrics.png beside the first run)"
+    )
     args = parser.parse_args(argv)
     runs = {(p if p.is_dir() else p.parent).name or str(p): read_rows(p) for p in args.runs}
     first = args.runs[0]

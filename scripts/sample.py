@@ -30,13 +30,20 @@ def load_trained(folder: Path):
     """(config, model with the folder's weights, tokenizer or None for bytes); a ConfigError if they do not fit."""
     weights = folder / "model.safetensors"
     if not (folder / "config.yaml").is_file():
-        raise ConfigError(f"{folder} has no config.yaml: pass a run folder or one of its checkpoints")
+        raise ConfigError(
+            f"{folder} has no config.yaml: pass a run folder or one of its checkpoints"
+        )
     if not weights.is_file():
-        hint = (f": its shards make one file with python scripts/consolidate.py {folder} OUT.safetensors"
-                if (folder / "model" / ".metadata").is_file() else " (the run has not finished: pass a checkpoint)")
+        hint = (
+            f": its shards make one file with python scripts/consolidate.py {folder} OUT.safetensors"
+            if (folder / "model" / ".metadata").is_file()
+            else " (the run has not finished: pass a checkpoint)"
+        )
         raise ConfigError(f"{folder} has no model.safetensors{hint}")
     cfg = saved_config(folder / "config.yaml")
-    cfg = replace(cfg, model_weights="config")  # the architecture only: the folder's weights replace the first
+    cfg = replace(
+        cfg, model_weights="config"
+    )  # the architecture only: the folder's weights replace the first
     model = build_causal_lm(cfg, build_model)
     check_weights(weights, model)  # another shape: one line naming what differs
     load_model(model, str(weights))
@@ -44,8 +51,16 @@ def load_trained(folder: Path):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, block_size: int, prompt: str, max_new_tokens: int, temperature: float,
-             top_k: int, seed: int) -> str:
+def generate(
+    model,
+    tokenizer,
+    block_size: int,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+) -> str:
     """Sample `max_new_tokens` after the prompt (an empty prompt starts a new document). temperature 0: greedy."""
     if tokenizer is None:
         ids = list(prompt.encode("utf-8")) or [ord("\n")]
@@ -62,17 +77,27 @@ def generate(model, tokenizer, block_size: int, prompt: str, max_new_tokens: int
                 logits[logits < logits.topk(min(top_k, logits.numel())).values[-1]] = -torch.inf
             next_id = torch.multinomial(logits.softmax(-1), 1, generator=generator)
         tokens = torch.cat([tokens, next_id.view(1, 1)], dim=1)
-    new = tokens[0, len(ids):].tolist()
-    return bytes(new).decode("utf-8", errors="replace") if tokenizer is None else tokenizer.decode(new)
+    new = tokens[0, len(ids) :].tolist()
+    return (
+        bytes(new).decode("utf-8", errors="replace") if tokenizer is None else tokenizer.decode(new)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("folder", type=Path, help="a run folder or a checkpoint folder (checkpoints/step_N)")
-    parser.add_argument("--prompt", default="", help="the text to continue (default: a new document)")
+    parser.add_argument(
+        "folder", type=Path, help="a run folder or a checkpoint folder (checkpoints/step_N)"
+    )
+    parser.add_argument(
+        "--prompt", default="", help="the text to continue (default: a new document)"
+    )
     parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest token")
-    parser.add_argument("--top_k", type=int, default=40, help="sample among the k likeliest tokens; 0: all")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="0: always the likeliest token"
+    )
+    parser.add_argument(
+        "--top_k", type=int, default=40, help="sample among the k likeliest tokens; 0: all"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0:
@@ -81,8 +106,19 @@ def main(argv: list[str] | None = None) -> None:
         cfg, model, tokenizer = load_trained(args.folder)
     except ConfigError as e:
         sys.exit(f"error: {e}")
-    print(args.prompt + generate(model, tokenizer, cfg.block_size, args.prompt, args.max_new_tokens,
-                                 args.temperature, args.top_k, args.seed))
+    print(
+        args.prompt
+        + generate(
+            model,
+            tokenizer,
+            cfg.block_size,
+            args.prompt,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k,
+            args.seed,
+        )
+    )
 
 
 if __name__ == "__main__":

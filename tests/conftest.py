@@ -37,11 +37,23 @@ def free_port() -> int:
 
 
 def base_env(tmp_root: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK",
-                                                                   "WORLD_SIZE", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", WANDB_MODE="offline",
-               WANDB_SILENT="true", WANDB_DIR=str(tmp_root), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_HOME=str(SESSION_HF_HOME), TOKENIZERS_PARALLELISM="false")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONFAULTHANDLER="1",
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_DIR=str(tmp_root),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(SESSION_HF_HOME),
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -53,8 +65,19 @@ os.environ.update(HF_HOME=str(SESSION_HF_HOME), HF_HUB_OFFLINE="1", HF_DATASETS_
 
 def tiny_args(output_dir: Path, dataset: Path, **overrides) -> list[str]:
     """The shipped tiny preset, shrunk to a few dozen steps on a small local corpus."""
-    values = dict(output_dir=output_dir, dataset=dataset, block_size=32, batch_size=4, max_steps=24,
-                  warmup_steps=4, log_every=1, eval_every=12, save_every=8, keep_last=2, dist_timeout_s=60)
+    values = dict(
+        output_dir=output_dir,
+        dataset=dataset,
+        block_size=32,
+        batch_size=4,
+        max_steps=24,
+        warmup_steps=4,
+        log_every=1,
+        eval_every=12,
+        save_every=8,
+        keep_last=2,
+        dist_timeout_s=60,
+    )
     values.update(overrides)
     args = ["--config", str(TINY)]
     for key, value in values.items():
@@ -62,8 +85,12 @@ def tiny_args(output_dir: Path, dataset: Path, **overrides) -> list[str]:
     return args
 
 
-WORKER_EXCEPTION = re.compile(r"(\[rank\d+\]:\s*)?\w+(Error|Exception): ")  # the last line of a worker's traceback
-WORKER_CRASH = re.compile(r"terminate called|what\(\):|Fatal Python error|Segmentation fault|core dumped")
+WORKER_EXCEPTION = re.compile(
+    r"(\[rank\d+\]:\s*)?\w+(Error|Exception): "
+)  # the last line of a worker's traceback
+WORKER_CRASH = re.compile(
+    r"terminate called|what\(\):|Fatal Python error|Segmentation fault|core dumped"
+)
 LAUNCHER_FILE = re.compile(r"accelerate/commands/launch\.py|torch/distributed/run\.py")
 LAUNCHER_VERDICT = re.compile(r"^\s*(rank|exitcode|traceback)\s*:")
 
@@ -78,15 +105,29 @@ class Run:
         """Any `error:` or crash line, then the workers' last lines and the launcher's verdict per rank. The
         launcher's own traceback is left out: its 40 lines would hide what the workers printed last."""
         lines = self.output.splitlines()
-        launcher = next((i for i, line in enumerate(lines) if line.startswith("Traceback") and any(
-            LAUNCHER_FILE.search(below) for below in lines[i + 1:i + 4])), len(lines))
-        errors = [line for line in lines if line.startswith("error:") or WORKER_EXCEPTION.match(line)
-                  or WORKER_CRASH.search(line)]
+        launcher = next(
+            (
+                i
+                for i, line in enumerate(lines)
+                if line.startswith("Traceback")
+                and any(LAUNCHER_FILE.search(below) for below in lines[i + 1 : i + 4])
+            ),
+            len(lines),
+        )
+        errors = [
+            line
+            for line in lines
+            if line.startswith("error:")
+            or WORKER_EXCEPTION.match(line)
+            or WORKER_CRASH.search(line)
+        ]
         verdict = [line for line in lines[launcher:] if LAUNCHER_VERDICT.search(line)]
         return "\n".join(errors + ["..."] + lines[:launcher][-n:] + verdict)
 
     def check(self, expected: int = 0) -> Run:
-        assert self.returncode == expected, f"exit code {self.returncode}, expected {expected}\n{self.tail()}"
+        assert self.returncode == expected, (
+            f"exit code {self.returncode}, expected {expected}\n{self.tail()}"
+        )
         return self
 
     def metrics(self) -> list[dict]:
@@ -97,28 +138,45 @@ class Run:
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def _output_dir_of(args: list[str]) -> Path | None:
     return Path(args[args.index("--output_dir") + 1]) if "--output_dir" in args else None
 
 
-def run(cmd: list[str], env: dict, timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], env: dict, timeout: float = 240, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """Run to the end; past `timeout`, kill the launch's whole process group (its workers too: left running,
     they would slow every later test) and fail with its last lines."""
-    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          stdin=subprocess.DEVNULL, start_new_session=True) as proc:
+    with subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    ) as proc:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every process prints where it hangs
+            os.killpg(
+                proc.pid, signal.SIGABRT
+            )  # PYTHONFAULTHANDLER: every process prints where it hangs
             try:
                 out, _ = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, _ = proc.communicate()
-            pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n" + "\n".join(out.splitlines()[-80:]))
+            pytest.fail(
+                f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
+                + "\n".join(out.splitlines()[-80:])
+            )
     return subprocess.CompletedProcess(cmd, proc.returncode, out)
 
 
@@ -134,9 +192,13 @@ def launch(cmd: list[str], env: dict, timeout: float, output_dir: Path | None) -
         before = Path(tempfile.mkdtemp(prefix="before-launch-")) / "run"
         shutil.copytree(output_dir, before, symlinks=True)
     result = Run(run(cmd, env, timeout), output_dir)
-    if result.returncode == 0 or not (result.returncode in (-6, -11) or CRASH_EXIT.search(result.output)):
+    if result.returncode == 0 or not (
+        result.returncode in (-6, -11) or CRASH_EXIT.search(result.output)
+    ):
         return result
-    warnings.warn(f"a worker crashed natively; launching once more:\n{result.tail(15)}", stacklevel=3)
+    warnings.warn(
+        f"a worker crashed natively; launching once more:\n{result.tail(15)}", stacklevel=3
+    )
     if output_dir is not None:
         shutil.rmtree(output_dir, ignore_errors=True)
         if before is not None:
@@ -145,32 +207,79 @@ def launch(cmd: list[str], env: dict, timeout: float, output_dir: Path | None) -
 
 
 def with_new_port(cmd: list[str]) -> list[str]:
-    return [str(free_port()) if i and cmd[i - 1] == "--main_process_port" else part for i, part in enumerate(cmd)]
+    return [
+        str(free_port()) if i and cmd[i - 1] == "--main_process_port" else part
+        for i, part in enumerate(cmd)
+    ]
 
 
-def accelerate_cmd(args: list[str], num_processes: int = 2, script: Path = MAIN, port: int | None = None,
-                   config: Path = CPU_CONFIG, launcher_args: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-            "--num_processes", str(num_processes), "--main_process_port", str(port or free_port()),
-            *launcher_args, str(script), *map(str, args)]
+def accelerate_cmd(
+    args: list[str],
+    num_processes: int = 2,
+    script: Path = MAIN,
+    port: int | None = None,
+    config: Path = CPU_CONFIG,
+    launcher_args: list[str] = (),
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--num_processes",
+        str(num_processes),
+        "--main_process_port",
+        str(port or free_port()),
+        *launcher_args,
+        str(script),
+        *map(str, args),
+    ]
 
 
-def launch_accelerate(args: list[str], tmp_root: Path, num_processes: int = 2, script: Path = MAIN,
-                      env_extra: dict | None = None, timeout: float = 240, **kw) -> Run:
+def launch_accelerate(
+    args: list[str],
+    tmp_root: Path,
+    num_processes: int = 2,
+    script: Path = MAIN,
+    env_extra: dict | None = None,
+    timeout: float = 240,
+    **kw,
+) -> Run:
     cmd = accelerate_cmd(args, num_processes, script, **kw)
     return launch(cmd, base_env(tmp_root, **(env_extra or {})), timeout, _output_dir_of(args))
 
 
-def launch_torchrun(args: list[str], tmp_root: Path, nproc: int = 2, script: Path = TORCH_DDP,
-                    env_extra: dict | None = None, timeout: float = 240, launcher_args: list[str] = ()) -> Run:
+def launch_torchrun(
+    args: list[str],
+    tmp_root: Path,
+    nproc: int = 2,
+    script: Path = TORCH_DDP,
+    env_extra: dict | None = None,
+    timeout: float = 240,
+    launcher_args: list[str] = (),
+) -> Run:
     launcher = list(launcher_args) or ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc_per_node", str(nproc),
-           str(script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher,
+        "--nproc_per_node",
+        str(nproc),
+        str(script),
+        *map(str, args),
+    ]
     return launch(cmd, base_env(tmp_root, **(env_extra or {})), timeout, _output_dir_of(args))
 
 
-def run_python(args: list[str], tmp_root: Path, script: Path = MAIN, env_extra: dict | None = None,
-               timeout: float = 240) -> Run:
+def run_python(
+    args: list[str],
+    tmp_root: Path,
+    script: Path = MAIN,
+    env_extra: dict | None = None,
+    timeout: float = 240,
+) -> Run:
     cmd = [sys.executable, str(script), *map(str, args)]
     return launch(cmd, base_env(tmp_root, **(env_extra or {})), timeout, _output_dir_of(args))
 
@@ -184,7 +293,7 @@ def write_corpus(path: Path, n_docs: int = 60, doc_bytes: int = 160) -> Path:
     with open(path, "w") as f:
         for i in range(n_docs):
             start = (i * 397) % max(1, len(source) - doc_bytes)
-            f.write(json.dumps({"text": source[start:start + doc_bytes], "id": i}) + "\n")
+            f.write(json.dumps({"text": source[start : start + doc_bytes], "id": i}) + "\n")
     return path
 
 
@@ -209,8 +318,10 @@ def baseline(tmp_path_factory, corpus) -> Run:
 
 
 def assert_matches_baseline(run_dir, baseline):
-    reference, resumed = load_weights(baseline.output_dir / "model.safetensors"), load_weights(
-        run_dir / "model.safetensors")
+    reference, resumed = (
+        load_weights(baseline.output_dir / "model.safetensors"),
+        load_weights(run_dir / "model.safetensors"),
+    )
     assert reference.keys() == resumed.keys()
     different = [k for k in reference if not torch.equal(reference[k], resumed[k])]
     assert not different, f"weights differ from the uninterrupted run: {different[:3]}"
@@ -224,8 +335,13 @@ def four_processes(tmp_path_factory, corpus) -> Run:
     sample ids it loads: the reference of the two-"node" runs and of resuming on another world size."""
     out = tmp_path_factory.mktemp("four") / "run"
     args = tiny_args(out, corpus, max_steps=8, save_every=4, eval_every=8, dist_timeout_s=30)
-    return launch_accelerate(args, out.parent, num_processes=4, script=FAULTY_MAIN,
-                             env_extra={"RECORD_SAMPLES": out.parent / "ids"}).check()
+    return launch_accelerate(
+        args,
+        out.parent,
+        num_processes=4,
+        script=FAULTY_MAIN,
+        env_extra={"RECORD_SAMPLES": out.parent / "ids"},
+    ).check()
 
 
 def baseline_args(output_dir: Path, corpus: Path, **overrides) -> list[str]:
@@ -241,11 +357,22 @@ def bpe_tokenizer(tmp_path_factory, corpus) -> Path:
 
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.pre_tokenizer, tokenizer.decoder = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+    )
+    tokenizer.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=320,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     folder = tmp_path_factory.mktemp("bpe")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(
+        folder
+    )
     return folder
 
 
@@ -253,8 +380,15 @@ def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0) -> Path:
     """A 2-layer Llama-style causal LM made from a config (41 k parameters), saved as a Hugging Face model folder."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
@@ -264,4 +398,6 @@ def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0) -> Path:
 def tiny_llama(tmp_path_factory, bpe_tokenizer) -> Path:
     from transformers import AutoTokenizer
 
-    return save_tiny_llama(tmp_path_factory.mktemp("llama"), len(AutoTokenizer.from_pretrained(bpe_tokenizer)))
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("llama"), len(AutoTokenizer.from_pretrained(bpe_tokenizer))
+    )

@@ -16,7 +16,9 @@ def test_epoch_sampler_is_a_seeded_permutation_per_epoch_cut_to_whole_global_bat
     assert len(epoch0) == len(sampler) == 48 and len(set(epoch0)) == 48 and list(sampler) == epoch0
     sampler.set_epoch(1)
     epoch1 = list(sampler)
-    assert epoch1 != epoch0 and len(set(epoch1)) == 48 and set(epoch0) | set(epoch1) == set(range(50))
+    assert (
+        epoch1 != epoch0 and len(set(epoch1)) == 48 and set(epoch0) | set(epoch1) == set(range(50))
+    )
 
 
 def test_start_next_pass_at_skips_into_one_pass_only():
@@ -28,8 +30,17 @@ def test_start_next_pass_at_skips_into_one_pass_only():
     assert list(sampler) == full  # once
 
 
-@pytest.mark.parametrize("n, batch, world, drop_last", [(103, 4, 2, True), (103, 4, 2, False), (50, 4, 3, False),
-                                                        (5, 4, 2, False), (48, 4, 3, False), (64, 8, 4, True)])
+@pytest.mark.parametrize(
+    "n, batch, world, drop_last",
+    [
+        (103, 4, 2, True),
+        (103, 4, 2, False),
+        (50, 4, 3, False),
+        (5, 4, 2, False),
+        (48, 4, 3, False),
+        (64, 8, 4, True),
+    ],
+)
 def test_the_torch_path_splits_batches_exactly_as_accelerate(n, batch, world, drop_last):
     """RankBatches against Accelerate's own BatchSamplerShard (what accelerator.prepare uses): the same
     indices in the same order on every rank, padding included, and the same count of real samples."""
@@ -55,24 +66,39 @@ def global_steps(world, batch, accum, steps, start=None, n=90, seed=5):
         plumbing = TorchDDP(TrainConfig(batch_size=batch, grad_accum_steps=accum))
         plumbing.num_processes, plumbing.process_index = world, rank  # this rank's view
         sampler = batches.EpochSampler(n, seed, global_batch)
-        loader = plumbing.prepare(DataLoader(torch.arange(n), batch_size=batch, sampler=sampler, drop_last=True,
-                                             collate_fn=lambda ids: {"ids": torch.stack(ids)}))
+        loader = plumbing.prepare(
+            DataLoader(
+                torch.arange(n),
+                batch_size=batch,
+                sampler=sampler,
+                drop_last=True,
+                collate_fn=lambda ids: {"ids": torch.stack(ids)},
+            )
+        )
         streams.append(batches.TrainBatches(loader, sampler, batch * world))
         if start is not None:
             streams[-1].load_state_dict(start)
-    steps_seen = [sorted(torch.cat([next(s)["ids"] for _ in range(accum) for s in streams]).tolist())
-                  for _ in range(steps)]
+    steps_seen = [
+        sorted(torch.cat([next(s)["ids"] for _ in range(accum) for s in streams]).tolist())
+        for _ in range(steps)
+    ]
     return steps_seen, streams[0].state_dict()
 
 
 def test_a_resume_on_another_world_size_continues_with_the_same_samples_in_every_step():
-    uninterrupted, _ = global_steps(world=2, batch=8, accum=1, steps=14)  # 90 // 16 = 5 steps an epoch
+    uninterrupted, _ = global_steps(
+        world=2, batch=8, accum=1, steps=14
+    )  # 90 // 16 = 5 steps an epoch
     _, position = global_steps(world=2, batch=8, accum=1, steps=7)
     assert position == {"micro_batches": 7, "samples_per_micro_batch": 16}
     for world, batch, accum in [(4, 4, 1), (1, 16, 1), (1, 8, 2), (2, 2, 4)]:
         resumed, _ = global_steps(world, batch, accum, steps=7, start=position)
         assert resumed == uninterrupted[7:], (world, batch, accum)
     with pytest.raises(ValueError, match="global batch changed"):
-        global_steps(world=1, batch=6, accum=1, steps=1, start={"micro_batches": 1, "samples_per_micro_batch": 16})
-
-
+        global_steps(
+            world=1,
+            batch=6,
+            accum=1,
+            steps=1,
+            start={"micro_batches": 1, "samples_per_micro_batch": 16},
+        )

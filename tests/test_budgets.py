@@ -1,25 +1,83 @@
-"""Size budgets from the README: the template stays readable as it grows."""
+"""Size and shape budgets: the template stays readable as it grows.
+
+Budgets count code lines as `ruff format` lays them out, without blank lines, comments or docstrings: an
+explanation is free, and a budget is never met by squeezing statements (README "Layout"). The shape limits
+are strict: the training loop's body, every other function, and ruff's complexity check (pyproject.toml).
+The total is advisory: it is printed, not enforced.
+
+History of the module budgets (physical lines until the reshaping): 1,800 total; +300 job.py and resume.py;
++200 FSDP and HSDP; +150 Hugging Face models; +150 streaming; +50 fast_reader (2,650). Then counted as code
+lines per module, after the modules were reshaped around the fork's two files.
+"""
+
+import ast
+import io
+import tokenize
 
 from conftest import REPO
 
 TRAIN = REPO / "train"
-BUDGETS = {"main.py": 300}  # every other module: 350
-TOTAL = 2650  # 1,800; +300 job.py, resume.py; +200 FSDP, HSDP; +150 HF models; +150 streaming; +50 fast_reader
+MODULE_BUDGET = 320  # code lines, any module of train/ but these:
+BUDGETS = {
+    "main.py": 300,  # the loop's file reads in one sitting
+    "checkpoint.py": 450,  # the format in both directions: four kinds of part, the transaction, export
+}
+LOOP_BODY = 65  # code lines of train()'s `while` loop
+FUNCTION = 50  # code lines of any other function
 
 
-def code_lines(path):
-    return len(path.read_text().splitlines())
+def code_lines(source: str, first: int = 1, last: int | None = None) -> int:
+    """Lines first..last of `source` that hold code: no blank lines, comments or docstrings."""
+    tree = ast.parse(source)
+    docstrings = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    code = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in (
+            tokenize.COMMENT,
+            tokenize.NL,
+            tokenize.NEWLINE,
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.ENDMARKER,
+        ):
+            continue
+        code.update(range(token.start[0], token.end[0] + 1))
+    last = last or len(source.splitlines())
+    return len([n for n in code - docstrings if first <= n <= last])
 
 
-def test_each_module_and_the_whole_stay_within_budget():
-    sizes = {p.name: code_lines(p) for p in sorted(TRAIN.glob("*.py"))}
-    over = {name: n for name, n in sizes.items() if n > BUDGETS.get(name, 350)}
-    assert not over, f"over budget: {over}"
-    assert sum(sizes.values()) <= TOTAL, sizes
+def test_each_module_stays_within_its_budget_and_the_total_is_reported():
+    sizes = {path.name: code_lines(path.read_text()) for path in sorted(TRAIN.glob("*.py"))}
+    over = {name: n for name, n in sizes.items() if n > BUDGETS.get(name, MODULE_BUDGET)}
+    assert not over, f"over budget (code lines): {over}"
+    print(f"train/: {sum(sizes.values())} code lines; {sizes}")  # advisory (pytest -s shows it)
 
 
-def test_the_loop_body_stays_short():
-    text = (TRAIN / "main.py").read_text()
-    start = text.index("    while state.step < cfg.max_steps:")
-    loop = text[start:text.index("# ---------------------------------------------------------------- save", start)]
-    assert len(loop.splitlines()) <= 65
+def test_the_loop_body_and_every_other_function_stay_short():
+    too_long = {}
+    for path in sorted(TRAIN.glob("*.py")):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if path.name == "main.py" and node.name == "train":
+                loop = next(n for n in node.body if isinstance(n, ast.While))
+                lines = code_lines(source, loop.lineno, loop.end_lineno)
+                assert lines <= LOOP_BODY, f"train()'s loop has {lines} code lines"
+                continue
+            lines = code_lines(source, node.lineno, node.end_lineno)
+            if lines > FUNCTION:
+                too_long[f"{path.name}:{node.name}"] = lines
+    assert not too_long, f"functions over {FUNCTION} code lines: {too_long}"
+
+
+def test_few_lines_of_train_are_long():
+    lines = [line for path in TRAIN.glob("*.py") for line in path.read_text().splitlines()]
+    long_lines = [line for line in lines if len(line) > 100]
+    assert len(long_lines) <= 0.05 * len(lines), f"{len(long_lines)} of {len(lines)} lines over 100"

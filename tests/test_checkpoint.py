@@ -13,11 +13,10 @@ from torch.utils.data import DataLoader
 
 import checkpoint
 import resume as resuming
-from checkpoint import TrainState, latest_checkpoint
-from errors import CheckpointError
-from config import TrainConfig
-from errors import ConfigError, RunError
 from batches import EpochSampler, TrainBatches
+from checkpoint import TrainState, latest_checkpoint
+from config import TrainConfig
+from errors import CheckpointError, ConfigError, RunError
 from model import build_model
 from optim import build_optimizer
 from torch_ddp import TorchDDP
@@ -30,22 +29,45 @@ class Job:
     position, behind the torch path's plumbing with one process (no process group)."""
 
     def __init__(self, tmp_path, world_size=1, **kw):
-        self.cfg = TrainConfig(**{"output_dir": str(tmp_path / "run"), "n_layer": 1, "n_head": 2, "n_embd": 16,
-                                  "block_size": 8, "keep_last": 2, **kw})
+        self.cfg = TrainConfig(
+            **{
+                "output_dir": str(tmp_path / "run"),
+                "n_layer": 1,
+                "n_head": 2,
+                "n_embd": 16,
+                "block_size": 8,
+                "keep_last": 2,
+                **kw,
+            }
+        )
         self.plumbing = TorchDDP(self.cfg)
-        self.plumbing.num_processes = world_size  # rank 0's view of a bigger world, without a process group
+        self.plumbing.num_processes = (
+            world_size  # rank 0's view of a bigger world, without a process group
+        )
         torch.manual_seed(0)
         self.model = build_model(self.cfg)
         self.optimizer = build_optimizer(self.model, self.cfg)
-        self.model(input_ids=torch.randint(0, 256, (2, 8)), labels=torch.randint(0, 256, (2, 8))).loss.backward()
+        self.model(
+            input_ids=torch.randint(0, 256, (2, 8)), labels=torch.randint(0, 256, (2, 8))
+        ).loss.backward()
         self.optimizer.step()  # the optimizer has state worth saving
         self.state = TrainState()
         micro_batch = self.cfg.batch_size * world_size
-        sampler = EpochSampler(1000, seed=1, samples_per_step=micro_batch * self.cfg.grad_accum_steps)
-        self.data = TrainBatches(DataLoader(range(1000), batch_size=self.cfg.batch_size, sampler=sampler),
-                                 sampler, micro_batch)
-        self.parts = checkpoint.checkpoint_parts(self.plumbing, model=self.model, optimizer=self.optimizer,
-                                                 train_state=self.state, data=self.data)
+        sampler = EpochSampler(
+            1000, seed=1, samples_per_step=micro_batch * self.cfg.grad_accum_steps
+        )
+        self.data = TrainBatches(
+            DataLoader(range(1000), batch_size=self.cfg.batch_size, sampler=sampler),
+            sampler,
+            micro_batch,
+        )
+        self.parts = checkpoint.checkpoint_parts(
+            self.plumbing,
+            model=self.model,
+            optimizer=self.optimizer,
+            train_state=self.state,
+            data=self.data,
+        )
 
     def save(self, step, **state):
         self.state.load_state_dict({"step": step, **state})
@@ -89,13 +111,28 @@ def test_round_trip_restores_every_part(tmp_path):
     expected_draw = torch.rand(3)
     assert path.name == "step_00000007" and latest_checkpoint(job.cfg.output_dir) == path
     manifest = json.loads((path / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "train_state.json",
-                                      "data.json", "config.yaml"}
+    assert set(manifest["files"]) == {
+        "model.safetensors",
+        "optimizer.pt",
+        "rng_rank0.pt",
+        "train_state.json",
+        "data.json",
+        "config.yaml",
+    }
     assert manifest["parts"] == ["data", "model", "optimizer", "rng", "train_state"]
-    assert manifest["run"] == {"world_size": 1, "batch_size": 16, "grad_accum_steps": 1, "global_batch": 16,
-                               "block_size": 8, **IDENTITY}
+    assert manifest["run"] == {
+        "world_size": 1,
+        "batch_size": 16,
+        "grad_accum_steps": 1,
+        "global_batch": 16,
+        "block_size": 8,
+        **IDENTITY,
+    }
     assert all(len(entry["xxh3_64"]) == 16 for entry in manifest["files"].values())
-    assert json.loads((path / "data.json").read_text()) == {"micro_batches": 7, "samples_per_micro_batch": 16}
+    assert json.loads((path / "data.json").read_text()) == {
+        "micro_batches": 7,
+        "samples_per_micro_batch": 16,
+    }
 
     fresh = Job(tmp_path / "other")
     with torch.no_grad():
@@ -107,7 +144,10 @@ def test_round_trip_restores_every_part(tmp_path):
     assert fresh.data.micro_batches == 7
     assert same_tensors(job.model.state_dict(), fresh.model.state_dict())
     exp_avg = lambda opt: [s["exp_avg"] for s in opt.state_dict()["state"].values()]  # noqa: E731
-    assert all(torch.equal(a, b) for a, b in zip(exp_avg(job.optimizer), exp_avg(fresh.optimizer), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(exp_avg(job.optimizer), exp_avg(fresh.optimizer), strict=True)
+    )
     assert torch.equal(torch.rand(3), expected_draw)  # the RNG continues where it was saved
 
 
@@ -122,23 +162,37 @@ def test_a_part_a_fork_registers_is_saved_restored_bitwise_and_pruned_with_the_r
         ema.update_parameters(job.model)
         job.save(step)
     root = checkpoint.checkpoint_root(job.cfg.output_dir)
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]  # keep_last=2
-    assert "ema.safetensors" in json.loads((root / "step_00000006" / "manifest.json").read_text())["files"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_00000004",
+        "step_00000006",
+    ]  # keep_last=2
+    assert (
+        "ema.safetensors"
+        in json.loads((root / "step_00000006" / "manifest.json").read_text())["files"]
+    )
 
     fresh = Job(tmp_path / "fresh")
-    fresh_ema = AveragedModel(fresh.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    fresh_ema = AveragedModel(
+        fresh.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    )
     fresh.parts["ema"] = fresh_ema
     fresh.load(root / "step_00000006")
     assert same_tensors(fresh_ema.state_dict(), ema.state_dict())  # n_averaged included
     assert not same_tensors(fresh_ema.module.state_dict(), fresh.model.state_dict())
 
     without_ema = Job(tmp_path / "plain")
-    assert without_ema.load(root / "step_00000006") == ""  # a part the run does not have is left alone
-    with pytest.raises(CheckpointError, match="has no part ema .*it holds data, model, optimizer, rng, train_state"):
+    assert (
+        without_ema.load(root / "step_00000006") == ""
+    )  # a part the run does not have is left alone
+    with pytest.raises(
+        CheckpointError, match="has no part ema .*it holds data, model, optimizer, rng, train_state"
+    ):
         fresh.load(Job(tmp_path / "x").save(2))
 
 
-def test_another_world_size_with_the_same_global_batch_resumes_and_another_global_batch_is_refused(tmp_path):
+def test_another_world_size_with_the_same_global_batch_resumes_and_another_global_batch_is_refused(
+    tmp_path,
+):
     path = Job(tmp_path, world_size=1, batch_size=16).save(5)
     torch.manual_seed(123)
     four = Job(tmp_path / "four", world_size=4, batch_size=4)
@@ -146,16 +200,24 @@ def test_another_world_size_with_the_same_global_batch_resumes_and_another_globa
     expected_draw = torch.rand(2)
     torch.manual_seed(123)
     note = four.load(path)
-    assert "world_size 1 -> 4, batch_size 16 -> 4" in note and "fresh per-process random state" in note
+    assert (
+        "world_size 1 -> 4, batch_size 16 -> 4" in note and "fresh per-process random state" in note
+    )
     assert four.state.step == 5 and four.data.micro_batches == 5  # 5 micro-batches of 16 samples
     assert torch.equal(torch.rand(2), expected_draw)  # the saved RNG of rank 0 of 1 was not applied
     accumulating = Job(tmp_path / "accumulating", world_size=1, batch_size=8, grad_accum_steps=2)
     accumulating.load(path)
     assert accumulating.data.micro_batches == 10  # 10 micro-batches of 8 samples
     for world_size, batch_size in [(2, 16), (1, 8)]:
-        with pytest.raises(CheckpointError, match=f"global batch 16 .* this run has {world_size * batch_size}"):
-            Job(tmp_path / f"w{world_size}", world_size=world_size, batch_size=batch_size).load(path)
-    longer = Job(tmp_path / "longer", world_size=2, batch_size=8, block_size=16)  # same global batch
+        with pytest.raises(
+            CheckpointError, match=f"global batch 16 .* this run has {world_size * batch_size}"
+        ):
+            Job(tmp_path / f"w{world_size}", world_size=world_size, batch_size=batch_size).load(
+                path
+            )
+    longer = Job(
+        tmp_path / "longer", world_size=2, batch_size=8, block_size=16
+    )  # same global batch
     with pytest.raises(CheckpointError, match="block_size 8, this run has 16 and 16"):
         longer.load(path)
 
@@ -170,7 +232,11 @@ def test_keep_last_prunes_after_commit_and_latest_ignores_partial_folders(tmp_pa
     (root / "step_00000009").mkdir()  # a folder without a manifest
     assert latest_checkpoint(job.cfg.output_dir).name == "step_00000006"
     job.save(10)
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000006", "step_00000009", "step_00000010"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_00000006",
+        "step_00000009",
+        "step_00000010",
+    ]
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
@@ -197,7 +263,10 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
 
 def forge_manifest(path, name):
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"][name] = {"bytes": (path / name).stat().st_size, "xxh3_64": checkpoint.file_digest(path / name)}
+    manifest["files"][name] = {
+        "bytes": (path / name).stat().st_size,
+        "xxh3_64": checkpoint.file_digest(path / name),
+    }
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -230,7 +299,9 @@ def test_a_part_whose_state_does_not_fit_is_one_line(tmp_path):
     path = job.save(1)
     (path / "data.json").write_text(json.dumps({"position": 3}))
     forge_manifest(path, "data.json")
-    with pytest.raises(CheckpointError, match=r"its part 'data' does not fit this run: 'micro_batches'"):
+    with pytest.raises(
+        CheckpointError, match=r"its part 'data' does not fit this run: 'micro_batches'"
+    ):
         job.load(path)
 
 
@@ -238,7 +309,9 @@ def test_a_tampered_or_truncated_file_fails_the_manifest(tmp_path):
     path = Job(tmp_path).save(1)
     data = (path / "optimizer.pt").read_bytes()
     (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
-    assert checkpoint.checkpoint_problem(path) == f"optimizer.pt is missing or not {len(data)} bytes"
+    assert (
+        checkpoint.checkpoint_problem(path) == f"optimizer.pt is missing or not {len(data)} bytes"
+    )
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0xFF  # same size, one byte changed
     (path / "optimizer.pt").write_bytes(bytes(flipped))
@@ -258,7 +331,9 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_changes(tmp_pa
 @pytest.mark.shipped
 def test_a_checkpoint_with_biases_is_refused_by_the_model_without(tmp_path):
     with_biases = Job(tmp_path / "with_biases", bias=True).save(1)
-    with pytest.raises(CheckpointError, match=r"unexpected blocks.0.attn.qkv.bias; .*config.yaml beside it: .*bias"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected blocks.0.attn.qkv.bias; .*config.yaml beside it: .*bias"
+    ):
         Job(tmp_path / "without").load(with_biases)
 
 
@@ -279,8 +354,12 @@ def test_a_crash_between_the_two_renames_of_a_resave_leaves_a_resumable_folder(t
     job = Job(tmp_path)
     job.save(4)
     path = job.save(8)
-    os.replace(path, path.with_name(path.name + ".stale"))  # the first rename happened, then the crash
-    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000004"  # .stale is never parsed as a step
+    os.replace(
+        path, path.with_name(path.name + ".stale")
+    )  # the first rename happened, then the crash
+    assert (
+        latest_checkpoint(job.cfg.output_dir).name == "step_00000004"
+    )  # .stale is never parsed as a step
     job.set(resume="latest")
     state, _ = job.resume()
     assert state.step == 8 and latest_checkpoint(job.cfg.output_dir) == path  # put back at start-up
@@ -297,23 +376,34 @@ def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_path_is_refuse
     job.set(resume="latest")
     state, log = job.resume()
     assert state.step == 4
-    assert any(f"skipping damaged checkpoint {newest}: model.safetensors does not match its checksum" in line
-               for line in log.lines), log.lines
+    assert any(
+        f"skipping damaged checkpoint {newest}: model.safetensors does not match its checksum"
+        in line
+        for line in log.lines
+    ), log.lines
     job.set(resume=str(newest))
-    with pytest.raises(CheckpointError, match=f"cannot resume from {newest}: model.safetensors does not match"):
+    with pytest.raises(
+        CheckpointError, match=f"cannot resume from {newest}: model.safetensors does not match"
+    ):
         job.resume()
     job.set(resume=job.cfg.output_dir)  # a run folder, not a checkpoint
-    with pytest.raises(CheckpointError, match="it is a run folder: pass --output_dir .* --resume latest"):
+    with pytest.raises(
+        CheckpointError, match="it is a run folder: pass --output_dir .* --resume latest"
+    ):
         job.resume()
 
 
-@pytest.mark.parametrize("key, value", [("seed", 7), ("dataset", "other.jsonl"), ("train_blocks", 99),
-                                        ("data_fingerprint", "def")])
+@pytest.mark.parametrize(
+    "key, value",
+    [("seed", 7), ("dataset", "other.jsonl"), ("train_blocks", 99), ("data_fingerprint", "def")],
+)
 def test_resume_refuses_other_data_and_init_from_takes_the_weights_only(tmp_path, key, value):
     job = Job(tmp_path)
     path = job.save(5)
     job.set(resume="latest")
-    with pytest.raises(CheckpointError, match=f"saved for other data \\({key} .* -> {value!r}\\).*--init_from"):
+    with pytest.raises(
+        CheckpointError, match=f"saved for other data \\({key} .* -> {value!r}\\).*--init_from"
+    ):
         job.resume({**IDENTITY, key: value})
     fresh = Job(tmp_path / "new", init_from=str(path))
     with torch.no_grad():
@@ -322,14 +412,18 @@ def test_resume_refuses_other_data_and_init_from_takes_the_weights_only(tmp_path
     state, log = fresh.resume({**IDENTITY, key: value})
     assert state.step == 0 and any("init_from" in line for line in log.lines)
     assert same_tensors(fresh.model.state_dict(), job.model.state_dict())
-    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"], own_moments)  # not the checkpoint's
+    assert torch.equal(
+        fresh.optimizer.state_dict()["state"][0]["exp_avg"], own_moments
+    )  # not the checkpoint's
 
 
 def test_any_failure_on_a_process_fails_the_save_everywhere(tmp_path, monkeypatch):
     job = Job(tmp_path)
 
     def broken_state(*_args):
-        raise TypeError("cannot pickle 'generator' object")  # not an OSError: before, the others waited forever
+        raise TypeError(
+            "cannot pickle 'generator' object"
+        )  # not an OSError: before, the others waited forever
 
     monkeypatch.setattr(checkpoint.ProcessRNG, "state_dict", broken_state)
     with pytest.raises(RunError, match="cannot pickle"):
@@ -359,7 +453,9 @@ def test_a_resume_keeps_the_lr_horizon_unless_lr_decay_steps_is_given(tmp_path):
     state, _ = job.resume()
     assert job.cfg.decay_steps == state.lr_decay_steps == 40  # stretched, on purpose
     job.set(max_steps=10)
-    with pytest.raises(CheckpointError, match="is at step 20, past max_steps 10: pass --max_steps 20 or more"):
+    with pytest.raises(
+        CheckpointError, match="is at step 20, past max_steps 10: pass --max_steps 20 or more"
+    ):
         job.resume()
 
 
@@ -369,12 +465,16 @@ def test_a_checkpoint_from_before_state_parts_points_to_init_from(tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     del manifest["parts"], manifest["run"]  # what the template wrote before checkpoints had parts
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=f"written before checkpoints had state parts: .*--init_from {path}"):
+    with pytest.raises(
+        CheckpointError, match=f"written before checkpoints had state parts: .*--init_from {path}"
+    ):
         job.load(path)
 
 
 def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path):
     Job(tmp_path).save(4)
-    with pytest.raises(ConfigError, match="already holds checkpoints; pass --resume latest to continue that run"):
+    with pytest.raises(
+        ConfigError, match="already holds checkpoints; pass --resume latest to continue that run"
+    ):
         Job(tmp_path).resume()  # resume: "" (a new run) into a folder that has one
     assert Job(tmp_path, resume="latest").resume()[0].step == 4

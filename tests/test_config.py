@@ -5,8 +5,8 @@ import sys
 import pytest
 
 from config import TrainConfig, load_config
-from errors import ConfigError
 from conftest import REPO, base_env, run, run_python
+from errors import ConfigError
 from job import load_checked_config
 
 
@@ -35,31 +35,48 @@ def test_shipped_presets_load():
         assert isinstance(load_config(["--config", str(preset), *offline]), TrainConfig), preset
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--lr", "-1"], "lr must be > 0 (got -1.0)"),
-    (["--batch_size", "0"], "batch_size must be > 0 (got 0)"),
-    (["--batch_size", "abc"], "batch_size must be an int (got 'abc')"),
-    (["--lrr", "0.1"], "unknown key 'lrr' (did you mean 'lr'?)"),
-    (["--mixed_precision", "fp8"], "mixed_precision must be one of no, bf16, fp16 (or '' for the launcher's)"),
-    (["--dataset", "/nonexistent/corpus.jsonl"], "dataset is not an existing file or folder"),
-    (["--dataset", "missing.csv"], "dataset is not an existing file or folder"),
-    (["--warmup_steps", "500", "--max_steps", "100"], "warmup_steps must be -1 (auto) or in [0, max_steps (100))"),
-    (["--warmup_steps", "30", "--max_steps", "30"], "warmup_steps must be -1 (auto) or in [0, max_steps (30))"),
-    (["--init_from", "/no/such/model.safetensors"], "init_from is not an existing checkpoint"),
-    (["--n_embd", "100", "--n_head", "3"], "n_embd must be divisible by n_head (3)"),
-    (["--tracker", "mlflow"], "tracker entries must be among none, wandb, tensorboard"),
-    (["--resume", "/no/such/checkpoint"], "resume must be '', 'latest' or an existing folder"),
-    (["--dropout", "1.5"], "dropout must be in [0, 1)"),
-    (["--compile", "maybe"], "compile must be a bool (got 'maybe')"),
-    (["--model", "gpt2", "--bias", "true"], "bias applies to the built-in gpt only"),
-    (["--lr"], "lr needs a value"),
-    (["--lr", "--max_steps", "20"], "lr needs a value (--lr VALUE; got the next flag --max_steps)"),
-    (["--lr_decay_steps", "-5"], "lr_decay_steps must be >= 0"),
-    (["--max_steps", "100", "--lr_decay_steps", "50", "--warmup_steps", "60"],
-     "warmup_steps must be -1 (auto) or in [0, lr_decay_steps (50))"),
-    (["--dataset", "a/b/c"], "dataset is not an existing file or folder"),
-    (["stray"], "unexpected argument 'stray'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "-1"], "lr must be > 0 (got -1.0)"),
+        (["--batch_size", "0"], "batch_size must be > 0 (got 0)"),
+        (["--batch_size", "abc"], "batch_size must be an int (got 'abc')"),
+        (["--lrr", "0.1"], "unknown key 'lrr' (did you mean 'lr'?)"),
+        (
+            ["--mixed_precision", "fp8"],
+            "mixed_precision must be one of no, bf16, fp16 (or '' for the launcher's)",
+        ),
+        (["--dataset", "/nonexistent/corpus.jsonl"], "dataset is not an existing file or folder"),
+        (["--dataset", "missing.csv"], "dataset is not an existing file or folder"),
+        (
+            ["--warmup_steps", "500", "--max_steps", "100"],
+            "warmup_steps must be -1 (auto) or in [0, max_steps (100))",
+        ),
+        (
+            ["--warmup_steps", "30", "--max_steps", "30"],
+            "warmup_steps must be -1 (auto) or in [0, max_steps (30))",
+        ),
+        (["--init_from", "/no/such/model.safetensors"], "init_from is not an existing checkpoint"),
+        (["--n_embd", "100", "--n_head", "3"], "n_embd must be divisible by n_head (3)"),
+        (["--tracker", "mlflow"], "tracker entries must be among none, wandb, tensorboard"),
+        (["--resume", "/no/such/checkpoint"], "resume must be '', 'latest' or an existing folder"),
+        (["--dropout", "1.5"], "dropout must be in [0, 1)"),
+        (["--compile", "maybe"], "compile must be a bool (got 'maybe')"),
+        (["--model", "gpt2", "--bias", "true"], "bias applies to the built-in gpt only"),
+        (["--lr"], "lr needs a value"),
+        (
+            ["--lr", "--max_steps", "20"],
+            "lr needs a value (--lr VALUE; got the next flag --max_steps)",
+        ),
+        (["--lr_decay_steps", "-5"], "lr_decay_steps must be >= 0"),
+        (
+            ["--max_steps", "100", "--lr_decay_steps", "50", "--warmup_steps", "60"],
+            "warmup_steps must be -1 (auto) or in [0, lr_decay_steps (50))",
+        ),
+        (["--dataset", "a/b/c"], "dataset is not an existing file or folder"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
 def test_bad_values_name_the_key(argv, message):
     with pytest.raises(ConfigError) as error:
         load_checked_config(argv)  # load_config's ranges, then what needs a file or the hub
@@ -80,14 +97,19 @@ def test_bad_yaml_files(tmp_path):
         load_config(["--config", str(tmp_path / "absent.yaml")])
     typo = tmp_path / "typo.yaml"
     typo.write_text("max_step: 10\n")
-    with pytest.raises(ConfigError, match="unknown key 'max_step' \\(did you mean 'max_steps'\\?\\)"):
+    with pytest.raises(
+        ConfigError, match="unknown key 'max_step' \\(did you mean 'max_steps'\\?\\)"
+    ):
         load_config(["--config", str(typo)])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--lr", "-1"], "error: lr must be > 0 (got -1.0)"),
-    (["--config", "{broken}"], "error: config: "),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "-1"], "error: lr must be > 0 (got -1.0)"),
+        (["--config", "{broken}"], "error: config: "),
+    ],
+)
 def test_entry_point_prints_one_line_exits_2_and_writes_nothing(tmp_path, argv, message):
     out = tmp_path / "existing_run"
     out.mkdir()
@@ -106,8 +128,12 @@ def test_entry_point_prints_one_line_exits_2_and_writes_nothing(tmp_path, argv, 
 def test_an_error_seen_only_by_another_rank_is_still_printed(tmp_path):
     """Ranks other than 0 hold their error back (the launcher usually kills them once rank 0 has said
     it); one that is not killed, because the error is its own, must still say it."""
-    result = run_python(["--lr", "-1", "--output_dir", tmp_path / "run"], tmp_path, timeout=60,
-                        env_extra={"RANK": 1})
+    result = run_python(
+        ["--lr", "-1", "--output_dir", tmp_path / "run"],
+        tmp_path,
+        timeout=60,
+        env_extra={"RANK": 1},
+    )
     assert result.returncode == 2, result.tail()
     assert result.output.strip() == "error: lr must be > 0 (got -1.0)"
 
@@ -122,19 +148,32 @@ def test_help_lists_every_key_with_its_comment(tmp_path):
 def test_a_path_typo_that_looks_like_a_hub_name_fails_at_once(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpora").mkdir()
-    with pytest.raises(ConfigError, match=r"dataset is not an existing file or folder \(there is a local folder "
-                                          r"'corpora/': a typo in the path\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"dataset is not an existing file or folder \(there is a local folder "
+        r"'corpora/': a typo in the path\?\)",
+    ):
         load_checked_config(["--dataset", "corpora/my_text"])
-    assert load_checked_config(["--dataset", "owner/name"]).dataset == "owner/name"  # still a hub name
+    assert (
+        load_checked_config(["--dataset", "owner/name"]).dataset == "owner/name"
+    )  # still a hub name
 
 
 @pytest.mark.parametrize("script", ["train/main.py", "train/torch_ddp.py", "data/prepare.py"])
 def test_help_names_the_script_and_shows_whole_comments(tmp_path, script):
     result = run_python(["--help"], tmp_path, script=REPO / script).check()
     assert result.output.startswith(f"usage: {script} [--config FILE.yaml]"), result.output[:200]
-    line = next(line for line in result.output.splitlines() if line.strip().startswith("--shared_filesystem"))
-    assert line.rstrip().endswith("data prepared and checkpoints kept on every node")  # the comment's 2nd line too
-    precision = next(line for line in result.output.splitlines() if line.strip().startswith("--mixed_precision"))
+    line = next(
+        line
+        for line in result.output.splitlines()
+        if line.strip().startswith("--shared_filesystem")
+    )
+    assert line.rstrip().endswith(
+        "data prepared and checkpoints kept on every node"
+    )  # the comment's 2nd line too
+    precision = next(
+        line for line in result.output.splitlines() if line.strip().startswith("--mixed_precision")
+    )
     assert "the launcher's" in precision and "wins over the launcher" in precision
 
 

@@ -13,7 +13,9 @@ from config import TrainConfig
 from conftest import REPO, SESSION_HF_HOME, run_python, write_corpus
 from errors import ConfigError
 
-pytestmark = pytest.mark.shipped  # the shipped data.py: a fork that replaces it adapts or deletes these
+pytestmark = (
+    pytest.mark.shipped
+)  # the shipped data.py: a fork that replaces it adapts or deletes these
 
 
 def cfg_for(dataset, **kw):
@@ -21,7 +23,9 @@ def cfg_for(dataset, **kw):
 
 
 def texts(n=40):
-    return [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 3 for i in range(n)]
+    return [
+        f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 3 for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl", "csv", "parquet", "folder"])
@@ -43,7 +47,9 @@ def test_local_formats_give_packed_blocks(tmp_path, kind):
         path = tmp_path / "shards"
         path.mkdir()
         for i in range(2):
-            (path / f"part{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[i::2]))
+            (path / f"part{i}.jsonl").write_text(
+                "".join(json.dumps({"text": d}) + "\n" for d in docs[i::2])
+            )
     train, evaluation = data.build_datasets(cfg_for(path, eval_fraction=0.1))
     total_bytes = sum(len(d.encode()) + 1 for d in docs)
     assert len(train) + len(evaluation) <= total_bytes // 16
@@ -76,7 +82,9 @@ def test_eval_split_does_not_move_with_the_seed(tmp_path):
 def test_bad_datasets_are_one_line_errors(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"body": "x" * 400}) + "\n")
-    with pytest.raises(ConfigError, match="text_column 'text' is not a column .* \\(columns: body\\)"):
+    with pytest.raises(
+        ConfigError, match="text_column 'text' is not a column .* \\(columns: body\\)"
+    ):
         data.build_datasets(cfg_for(path))
     odd = tmp_path / "mixed"
     odd.mkdir()
@@ -90,7 +98,9 @@ def test_bad_datasets_are_one_line_errors(tmp_path):
         data.build_datasets(cfg_for(tiny))
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"text": "x" * 400}) + '\n{"text": "unterminated\n')
-    with pytest.raises(ConfigError, match=f"dataset '{broken}' cannot be read as json files: ") as error:
+    with pytest.raises(
+        ConfigError, match=f"dataset '{broken}' cannot be read as json files: "
+    ) as error:
         data.build_datasets(cfg_for(broken))
     assert "\n" not in str(error.value)
 
@@ -101,24 +111,37 @@ def test_python_stdlib_corpus_is_written_once(tmp_path):
     assert len(rows) > 50 and {"text", "path"} <= set(rows[0])
     assert any(r["path"] == "os.py" for r in rows)
     stamp = target.stat().st_mtime_ns
-    assert data.write_python_stdlib_corpus(tmp_path) == target and target.stat().st_mtime_ns == stamp
+    assert (
+        data.write_python_stdlib_corpus(tmp_path) == target and target.stat().st_mtime_ns == stamp
+    )
 
 
 def test_hub_name_offline_is_a_fast_clear_error(tmp_path):
-    result = run_python(["--dataset", "someone/no-such-dataset", "--output_dir", tmp_path / "out"], tmp_path,
-                        timeout=120)
+    result = run_python(
+        ["--dataset", "someone/no-such-dataset", "--output_dir", tmp_path / "out"],
+        tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 2, result.tail()
-    assert "error: dataset 'someone/no-such-dataset' could not be loaded from the hub (HF_HUB_OFFLINE" \
-        in result.output, result.tail()
+    assert (
+        "error: dataset 'someone/no-such-dataset' could not be loaded from the hub (HF_HUB_OFFLINE"
+        in result.output
+    ), result.tail()
     assert not (tmp_path / "out").exists()
 
 
 def test_prepare_script_fills_the_cache_a_run_then_reuses(tmp_path):
     path = write_corpus(tmp_path / "c.jsonl")
-    result = run_python(["--dataset", path, "--block_size", 16], tmp_path, script=REPO / "data" / "prepare.py",
-                        timeout=120).check()
+    result = run_python(
+        ["--dataset", path, "--block_size", 16],
+        tmp_path,
+        script=REPO / "data" / "prepare.py",
+        timeout=120,
+    ).check()
     assert "train and" in result.output and "cached for training" in result.output
     before = set(SESSION_HF_HOME.rglob("*.arrow"))
     train, _ = data.build_datasets(cfg_for(path))
-    assert set(SESSION_HF_HOME.rglob("*.arrow")) == before  # the run packed nothing new: it reused the cache
+    assert (
+        set(SESSION_HF_HOME.rglob("*.arrow")) == before
+    )  # the run packed nothing new: it reused the cache
     assert {f["filename"] for f in train.cache_files} <= {str(p) for p in before}

@@ -15,8 +15,8 @@ import data
 import lm
 from checkpoint import save_safetensors
 from config import TrainConfig, load_config
-from errors import ConfigError
 from conftest import REPO, save_tiny_llama
+from errors import ConfigError
 from job import load_checked_config
 from model import build_model
 
@@ -32,42 +32,90 @@ def sample_script():
 def test_documents_end_with_eos_and_ids_take_the_narrowest_unsigned_type(corpus, bpe_tokenizer):
     tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer)
     texts = ["def f(x):\n    return x", "import os"]
-    packed = data.pack({"text": texts}, block_size=4, text_column="text", tokenizer=tokenizer)["input_ids"]
-    expected = [t for text in texts for t in [*tokenizer(text, add_special_tokens=False)["input_ids"],
-                                              tokenizer.eos_token_id]]
-    assert packed.dtype == np.uint16 and packed.reshape(-1).tolist() == expected[:len(expected) // 4 * 4]
-    assert [data.token_dtype(n) for n in (256, 257, 65536, 65537)] == [np.uint8, np.uint16, np.uint16, np.uint32]
-    cfg = load_config(["--dataset", str(corpus), "--block_size", "32", "--tokenizer", str(bpe_tokenizer)])
+    packed = data.pack({"text": texts}, block_size=4, text_column="text", tokenizer=tokenizer)[
+        "input_ids"
+    ]
+    expected = [
+        t
+        for text in texts
+        for t in [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    ]
+    assert (
+        packed.dtype == np.uint16
+        and packed.reshape(-1).tolist() == expected[: len(expected) // 4 * 4]
+    )
+    assert [data.token_dtype(n) for n in (256, 257, 65536, 65537)] == [
+        np.uint8,
+        np.uint16,
+        np.uint16,
+        np.uint32,
+    ]
+    cfg = load_config(
+        ["--dataset", str(corpus), "--block_size", "32", "--tokenizer", str(bpe_tokenizer)]
+    )
     train, _ = data.build_datasets(cfg)
-    assert str(train.features["input_ids"].feature.dtype) == "uint16"  # on disk: 2 bytes a token, not 8
-    assert lm.vocab_size(cfg) == 320 and build_model(cfg).lm_head.weight.shape[0] == 320  # the GPT fits it
+    assert (
+        str(train.features["input_ids"].feature.dtype) == "uint16"
+    )  # on disk: 2 bytes a token, not 8
+    assert (
+        lm.vocab_size(cfg) == 320 and build_model(cfg).lm_head.weight.shape[0] == 320
+    )  # the GPT fits it
     assert data.pack({"text": ["ab"]}, "text", 1)["input_ids"].dtype == np.uint8  # bytes, as before
 
 
 def test_a_hugging_face_model_from_a_folder_pretrained_or_fresh(corpus, bpe_tokenizer, tiny_llama):
-    args = ["--dataset", str(corpus), "--block_size", "32", "--model", str(tiny_llama), "--tokenizer",
-            str(bpe_tokenizer)]
+    args = [
+        "--dataset",
+        str(corpus),
+        "--block_size",
+        "32",
+        "--model",
+        str(tiny_llama),
+        "--tokenizer",
+        str(bpe_tokenizer),
+    ]
     pretrained = lm.build_causal_lm(load_config(args), build_model)
     saved = pretrained.state_dict()
-    assert type(pretrained).__name__ == "LlamaForCausalLM" and saved["model.embed_tokens.weight"].dtype == torch.float32
+    assert (
+        type(pretrained).__name__ == "LlamaForCausalLM"
+        and saved["model.embed_tokens.weight"].dtype == torch.float32
+    )
     torch.manual_seed(1)
     fresh = lm.build_causal_lm(load_config([*args, "--model_weights", "config"]), build_model)
-    assert not torch.equal(fresh.state_dict()["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+    assert not torch.equal(
+        fresh.state_dict()["model.embed_tokens.weight"], saved["model.embed_tokens.weight"]
+    )
     ids = torch.randint(0, 320, (2, 32))
     output = pretrained(input_ids=ids, labels=ids)
     assert output.logits.shape == (2, 32, 320) and torch.isfinite(output.loss)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--model", "nobody/no-such-model"], "model 'nobody/no-such-model' could not be loaded"),
-    (["--tokenizer", "nobody/no-such-tokenizer"], "tokenizer 'nobody/no-such-tokenizer' could not be loaded"),
-    (["--model", "LLAMA"], "tokenizer '.*llama.*' could not be loaded: .*the model's own, by default: pass --tok"),
-    (["--model", "SMALL_LLAMA", "--tokenizer", "BPE"], "tokenizer has 320 tokens, more than the 100 that model"),
-    (["--model", "LLAMA", "--tokenizer", "BPE", "--block_size", "65"], "block_size must be <= the model's 64"),
-    (["--model_weights", "random"], "model_weights must be pretrained or config"),
-])
-def test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts(flags, message, tmp_path, corpus,
-                                                                     bpe_tokenizer, tiny_llama):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "nobody/no-such-model"], "model 'nobody/no-such-model' could not be loaded"),
+        (
+            ["--tokenizer", "nobody/no-such-tokenizer"],
+            "tokenizer 'nobody/no-such-tokenizer' could not be loaded",
+        ),
+        (
+            ["--model", "LLAMA"],
+            "tokenizer '.*llama.*' could not be loaded: .*the model's own, by default: pass --tok",
+        ),
+        (
+            ["--model", "SMALL_LLAMA", "--tokenizer", "BPE"],
+            "tokenizer has 320 tokens, more than the 100 that model",
+        ),
+        (
+            ["--model", "LLAMA", "--tokenizer", "BPE", "--block_size", "65"],
+            "block_size must be <= the model's 64",
+        ),
+        (["--model_weights", "random"], "model_weights must be one of pretrained, config"),
+    ],
+)
+def test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts(
+    flags, message, tmp_path, corpus, bpe_tokenizer, tiny_llama
+):
     folders = {"LLAMA": tiny_llama, "BPE": bpe_tokenizer, "SMALL_LLAMA": tmp_path / "small"}
     if "SMALL_LLAMA" in flags:
         save_tiny_llama(folders["SMALL_LLAMA"], vocab_size=100)
@@ -86,25 +134,41 @@ def write_run_folder(folder, cfg):
 
 
 @pytest.mark.shipped
-def test_sample_gives_the_same_text_for_the_same_seed_and_refuses_weights_of_another_shape(tmp_path):
+def test_sample_gives_the_same_text_for_the_same_seed_and_refuses_weights_of_another_shape(
+    tmp_path,
+):
     sample = sample_script()
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
     run = write_run_folder(tmp_path / "run", cfg)
     _, model, tokenizer = sample.load_trained(run)
     texts = [sample.generate(model, tokenizer, 16, "def ", 40, 0.8, 20, seed) for seed in (0, 0, 1)]
     assert texts[0] == texts[1] != texts[2] and texts[0]
-    greedy = [sample.generate(model, tokenizer, 16, "", 5, temperature=0, top_k=0, seed=seed) for seed in (0, 9)]
+    greedy = [
+        sample.generate(model, tokenizer, 16, "", 5, temperature=0, top_k=0, seed=seed)
+        for seed in (0, 9)
+    ]
     assert greedy[0] == greedy[1]  # temperature 0: the likeliest token, whatever the seed
-    wider = write_run_folder(tmp_path / "wider", TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    wider = write_run_folder(
+        tmp_path / "wider", TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
+    )
     (run / "model.safetensors").write_bytes((wider / "model.safetensors").read_bytes())
-    with pytest.raises(ConfigError, match="does not fit this model: .*proj.weight \\[32, 32\\] vs model \\[16, 16\\]"):
+    with pytest.raises(
+        ConfigError,
+        match="does not fit this model: .*proj.weight \\[32, 32\\] vs model \\[16, 16\\]",
+    ):
         sample.load_trained(run)
 
 
-def test_sample_works_with_a_hugging_face_model_and_its_tokenizer(tmp_path, bpe_tokenizer, tiny_llama):
+def test_sample_works_with_a_hugging_face_model_and_its_tokenizer(
+    tmp_path, bpe_tokenizer, tiny_llama
+):
     sample = sample_script()
-    run = write_run_folder(tmp_path / "run", TrainConfig(model=str(tiny_llama), tokenizer=str(bpe_tokenizer),
-                                                         block_size=32))
+    run = write_run_folder(
+        tmp_path / "run",
+        TrainConfig(model=str(tiny_llama), tokenizer=str(bpe_tokenizer), block_size=32),
+    )
     _, model, tokenizer = sample.load_trained(run)
-    first, again = (sample.generate(model, tokenizer, 32, "import", 12, 1.0, 0, 5) for _ in range(2))
+    first, again = (
+        sample.generate(model, tokenizer, 32, "import", 12, 1.0, 0, 5) for _ in range(2)
+    )
     assert first == again and isinstance(first, str)

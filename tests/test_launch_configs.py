@@ -30,20 +30,34 @@ def test_topology(name):
     config = load_config_from_file(str(CONFIGS / name))
     distributed_type, machines, processes, precision = EXPECTED[name]
     assert str(config.distributed_type).split(".")[-1] == distributed_type
-    assert (config.num_machines, config.num_processes, str(config.mixed_precision)) == (machines, processes, precision)
+    assert (config.num_machines, config.num_processes, str(config.mixed_precision)) == (
+        machines,
+        processes,
+        precision,
+    )
     assert config.use_cpu is False  # use_cpu selects accelerate's single-process CPU launcher
     assert config.machine_rank == 0
 
 
-@pytest.mark.parametrize("name, replicas, shards", [("fsdp_8gpu.yaml", None, None), ("2node_hsdp.yaml", "2", "8")])
-def test_the_fsdp_configs_launch_fsdp2_sharded_by_the_models_blocks(name, replicas, shards, monkeypatch):
+@pytest.mark.parametrize(
+    "name, replicas, shards", [("fsdp_8gpu.yaml", None, None), ("2node_hsdp.yaml", "2", "8")]
+)
+def test_the_fsdp_configs_launch_fsdp2_sharded_by_the_models_blocks(
+    name, replicas, shards, monkeypatch
+):
     """What `accelerate launch` hands the processes (accelerate's own launcher code, without starting them), and
     the FSDP plugin an Accelerator builds from it: FSDP2, one shard unit per model._no_split_modules block, and
     for HSDP a 2 x 8 (replicate x shard) mesh. (FSDP itself needs GPUs: on CPU accelerate falls back to DDP.)"""
-    args = launch_command_parser().parse_args(["--config_file", str(CONFIGS / name), "train/main.py"])
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(CONFIGS / name), "train/main.py"]
+    )
     _validate_launch_command(args)
     env = prepare_multi_gpu_env(args)
-    assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"], env["ACCELERATE_MIXED_PRECISION"]) == ("true", "2", "bf16")
+    assert (env["ACCELERATE_USE_FSDP"], env["FSDP_VERSION"], env["ACCELERATE_MIXED_PRECISION"]) == (
+        "true",
+        "2",
+        "bf16",
+    )
     assert env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE") == replicas
     assert env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE") == shards
     for key, value in env.items():

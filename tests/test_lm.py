@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from errors import ConfigError
-from lm import causal_lm_loss, check_loss_contract, checkpoint_activations, eval_columns, eval_metrics
+from lm import (
+    causal_lm_loss,
+    check_loss_contract,
+    checkpoint_activations,
+    eval_columns,
+    eval_metrics,
+)
 
 
 def test_a_model_without_named_blocks_cannot_be_checkpointed_or_sharded_and_says_why():
@@ -26,14 +32,20 @@ def test_eval_columns_are_exact_in_any_chunking_and_ignore_masked_labels():
     for name in whole:
         assert torch.allclose(whole[name], one_position_at_a_time[name], rtol=1e-12), name
     assert whole["tokens"].tolist() == [8, 4, 8]  # 8 predictions per sample, 4 in the padded one
-    assert torch.allclose((whole["loss"] / whole["tokens"]).float(), causal_lm_loss(logits, labels), rtol=1e-6)
+    assert torch.allclose(
+        (whole["loss"] / whole["tokens"]).float(), causal_lm_loss(logits, labels), rtol=1e-6
+    )
     right = (logits[:, :-1].float().argmax(-1) == labels[:, 1:]).sum().item()
     assert whole["accuracy"].sum().item() == right
 
 
 def test_every_column_but_tokens_is_reported_per_token():
     metrics = eval_metrics({"tokens": 10.0, "loss": 23.0, "accuracy": 4.0, "top5": 7.0})
-    assert metrics["eval_loss"] == 2.3 and metrics["eval_accuracy"] == 0.4 and metrics["eval_top5"] == 0.7
+    assert (
+        metrics["eval_loss"] == 2.3
+        and metrics["eval_accuracy"] == 0.4
+        and metrics["eval_top5"] == 0.7
+    )
     assert metrics["eval_perplexity"] == pytest.approx(2.718281828**2.3)
 
 
@@ -55,6 +67,8 @@ def test_a_loss_without_the_next_token_shift_is_refused_in_one_line():
         if not refused:
             check_loss_contract(model, {"input_ids": ids, "labels": ids})
             continue
-        with pytest.raises(ConfigError, match=r"is not the next-token cross-entropy of its .logits") as error:
+        with pytest.raises(
+            ConfigError, match=r"is not the next-token cross-entropy of its .logits"
+        ) as error:
             check_loss_contract(model, {"input_ids": ids, "labels": ids})
         assert "\n" not in str(error.value)

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from config import TrainConfig
-from errors import ConfigError
 from lm import BYTE_VOCAB_SIZE as VOCAB_SIZE
 from lm import causal_lm_loss, checkpoint_activations
 from model import build_model
 
-pytestmark = pytest.mark.shipped  # the shipped GPT: a fork that swaps the model adapts or deletes these
+pytestmark = (
+    pytest.mark.shipped
+)  # the shipped GPT: a fork that swaps the model adapts or deletes these
 
 
 def tiny_cfg(**kw):
@@ -33,7 +34,9 @@ def test_per_sample_loss_matches_mean_and_ignores_minus_100():
     logits = torch.randn(3, 5, 7)
     labels = torch.randint(0, 7, (3, 5))
     per_sample = causal_lm_loss(logits, labels)
-    reference = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1))
+    reference = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1)
+    )
     assert torch.allclose(per_sample.mean(), reference)
     masked = labels.clone()
     masked[0, 3:] = -100
@@ -75,7 +78,9 @@ def test_weights_are_tied_and_stay_tied_through_safetensors(tmp_path):
     save_model(model, str(tmp_path / "m.safetensors"))
     loaded = build_model(tiny_cfg())
     load_model(loaded, str(tmp_path / "m.safetensors"))
-    assert loaded.lm_head.weight is loaded.wte.weight and torch.equal(loaded.wte.weight, model.wte.weight)
+    assert loaded.lm_head.weight is loaded.wte.weight and torch.equal(
+        loaded.wte.weight, model.wte.weight
+    )
 
 
 def test_activation_checkpointing_recomputes_the_same_loss_and_gradients_with_the_same_weight_names():
@@ -90,5 +95,10 @@ def test_activation_checkpointing_recomputes_the_same_loss_and_gradients_with_th
         losses.append(model(input_ids=ids, labels=ids).loss)
         losses[-1].backward()
     assert torch.equal(losses[0], losses[1])
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), recomputed.parameters(), strict=True))
-    assert plain.state_dict().keys() == recomputed.state_dict().keys()  # checkpoints and exports unchanged
+    assert all(
+        torch.equal(a.grad, b.grad)
+        for a, b in zip(plain.parameters(), recomputed.parameters(), strict=True)
+    )
+    assert (
+        plain.state_dict().keys() == recomputed.state_dict().keys()
+    )  # checkpoints and exports unchanged

@@ -17,7 +17,11 @@ from torch_ddp import Autocast, ShardedLoader, TorchDDP
 
 # the code the contract serves
 USERS = ["main.py", "checkpoint.py", "resume.py", "tracking.py", "job.py", "streaming.py"]
-METHODS = [name for name, member in vars(Plumbing).items() if inspect.isfunction(member) and not name.startswith("_")]
+METHODS = [
+    name
+    for name, member in vars(Plumbing).items()
+    if inspect.isfunction(member) and not name.startswith("_")
+]
 ATTRIBUTES = list(typing.get_type_hints(Plumbing))
 
 
@@ -51,9 +55,17 @@ def test_both_plumbings_satisfy_the_contract_with_compatible_signatures(which, a
     for name in METHODS:
         wanted = inspect.signature(getattr(Plumbing, name))
         params = [p for p in wanted.parameters.values() if p.name != "self"]
-        args = [object() for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
-        kwargs = {p.name: object() for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty}
-        inspect.signature(getattr(plumbing, name)).bind(*args, **kwargs)  # raises TypeError if it does not fit
+        args = [
+            object() for p in params if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty
+        ]
+        kwargs = {
+            p.name: object()
+            for p in params
+            if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty
+        }
+        inspect.signature(getattr(plumbing, name)).bind(
+            *args, **kwargs
+        )  # raises TypeError if it does not fit
 
 
 def test_prepare_takes_any_objects_like_accelerate():
@@ -63,8 +75,12 @@ def test_prepare_takes_any_objects_like_accelerate():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     prepared = plumbing.prepare(model, optimizer, scheduler, DataLoader(range(8), batch_size=2))
     assert len(prepared) == 4 and prepared[1] is optimizer and prepared[2] is scheduler
-    assert isinstance(prepared[3], ShardedLoader) and [b.tolist() for b in prepared[3]] == [[0, 1], [2, 3], [4, 5],
-                                                                                            [6, 7]]
+    assert isinstance(prepared[3], ShardedLoader) and [b.tolist() for b in prepared[3]] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
     assert plumbing.prepare(model) is model  # one object in, one out
 
 
@@ -82,7 +98,9 @@ def test_gather_for_metrics_takes_nested_data_and_keeps_no_state():
     data = {"loss": torch.arange(3.0), "pair": (torch.ones(2), [torch.zeros(1)])}
     gathered = plumbing.gather_for_metrics(data)
     assert torch.equal(gathered["loss"], data["loss"]) and isinstance(gathered["pair"], tuple)
-    assert isinstance(gathered["pair"][1], list) and torch.equal(gathered["pair"][1][0], torch.zeros(1))
+    assert isinstance(gathered["pair"][1], list) and torch.equal(
+        gathered["pair"][1][0], torch.zeros(1)
+    )
     # rank 0's view of 2 processes (no process group): 5 eval samples in global batches of 2 x 2, so the last
     # global batch holds 1 real sample and 3 repeats. Only there is anything dropped, however often it is called.
     plumbing.num_processes = 2
@@ -93,4 +111,6 @@ def test_gather_for_metrics_takes_nested_data_and_keeps_no_state():
         assert torch.equal(first, again)
         kept.append(first)
     assert [k.tolist() for k in kept] == [[0.0, 1.0], [4.0]]
-    assert torch.equal(plumbing.gather_for_metrics(torch.ones(2)), torch.ones(2))  # outside the last batch: all
+    assert torch.equal(
+        plumbing.gather_for_metrics(torch.ones(2)), torch.ones(2)
+    )  # outside the last batch: all

@@ -24,7 +24,8 @@ def test_warmup_peak_and_cosine_end():
 def test_no_warmup():
     cfg = TrainConfig(lr=2.0, min_lr=0.0, warmup_steps=0, max_steps=4)
     assert [lr_at(s, cfg) for s in range(5)] == pytest.approx(
-        [1 + math.cos(math.pi * s / 4) for s in range(5)])
+        [1 + math.cos(math.pi * s / 4) for s in range(5)]
+    )
 
 
 def test_decay_only_on_matrices():
@@ -32,7 +33,9 @@ def test_decay_only_on_matrices():
     model = build_model(cfg)
     decay, no_decay = build_optimizer(model, cfg).param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(
+        p.dim() == 1 for p in no_decay["params"]
+    )
     counted = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
     assert counted == sum(p.numel() for p in model.parameters())  # the tied embedding counted once
     assert isinstance(decay["params"][0], torch.nn.Parameter)

@@ -12,10 +12,9 @@ from safetensors.torch import load_model
 import checkpoint
 import resume as resuming
 from checkpoint import TrainState
-from errors import CheckpointError
 from config import TrainConfig
-from errors import ConfigError
 from conftest import free_port
+from errors import CheckpointError, ConfigError
 from lm import checkpoint_activations
 from model import build_model
 from optim import build_optimizer
@@ -37,8 +36,16 @@ def launched(monkeypatch):
 
 
 def cfg_for(tmp_path, **kw):
-    return TrainConfig(**{"output_dir": str(tmp_path / "run"), "n_layer": 2, "n_head": 2, "n_embd": 16,
-                          "block_size": 8, **kw})
+    return TrainConfig(
+        **{
+            "output_dir": str(tmp_path / "run"),
+            "n_layer": 2,
+            "n_head": 2,
+            "n_embd": 16,
+            "block_size": 8,
+            **kw,
+        }
+    )
 
 
 def train_a_step(model, optimizer, seed=0):
@@ -69,43 +76,62 @@ def sharded_job(tmp_path, **kw):
     return cfg, plumbing, model, optimizer
 
 
-def test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing(tmp_path, launched):
+def test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing(
+    tmp_path, launched
+):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     cfg = cfg_for(tmp_path, fsdp="full")
     plumbing = TorchDDP(cfg)
     model = build_model(cfg)
-    checkpoint_activations(model)  # as train() does with --activation_checkpointing true: it composes with FSDP
+    checkpoint_activations(
+        model
+    )  # as train() does with --activation_checkpointing true: it composes with FSDP
     optimizer = build_optimizer(model, cfg)
     model, optimizer = plumbing.prepare(model, optimizer)
-    assert isinstance(model, FSDPModule) and all(isinstance(block, FSDPModule) for block in model.blocks)
+    assert isinstance(model, FSDPModule) and all(
+        isinstance(block, FSDPModule) for block in model.blocks
+    )
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    assert stepped == {id(p) for p in model.parameters()}  # the sharded parameters, not the ones built
+    assert stepped == {
+        id(p) for p in model.parameters()
+    }  # the sharded parameters, not the ones built
     assert all(isinstance(p, DTensor) for p in model.parameters())
     before = {k: full(v).clone() for k, v in model.state_dict().items()}
     train_a_step(model, optimizer)
-    assert not torch.equal(before["blocks.0.mlp.fc.weight"], full(model.state_dict()["blocks.0.mlp.fc.weight"]))
+    assert not torch.equal(
+        before["blocks.0.mlp.fc.weight"], full(model.state_dict()["blocks.0.mlp.fc.weight"])
+    )
 
 
 def test_a_sharded_checkpoint_round_trips_bitwise_inside_the_commit_protocol(tmp_path, launched):
     cfg, plumbing, model, optimizer = sharded_job(tmp_path)
     train_a_step(model, optimizer)
     state = TrainState()
-    parts = checkpoint.checkpoint_parts(plumbing, model=model, optimizer=optimizer, train_state=state)
-    assert isinstance(parts["model"], checkpoint.Sharded) and isinstance(parts["optimizer"], checkpoint.Sharded)
+    parts = checkpoint.checkpoint_parts(
+        plumbing, model=model, optimizer=optimizer, train_state=state
+    )
+    assert isinstance(parts["model"], checkpoint.Sharded) and isinstance(
+        parts["optimizer"], checkpoint.Sharded
+    )
     state.step = 1
     folder = checkpoint.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
     saved = snapshot(model, optimizer)
     files = json.loads((folder / "manifest.json").read_text())["files"]
-    for part in ("model", "optimizer"):  # each a torch.distributed.checkpoint folder, every file checksummed
+    for part in (
+        "model",
+        "optimizer",
+    ):  # each a torch.distributed.checkpoint folder, every file checksummed
         assert {f"{part}/.metadata", f"{part}/__0_0.distcp"} <= set(files)
     train_a_step(model, optimizer, seed=1)  # move away from the saved state, then come back
     assert checkpoint.checkpoint_problem(folder) is None
     resuming.resume_from(plumbing, cfg, folder, parts, IDENTITY)
     weights, optimizer_state = snapshot(model, optimizer)
     assert all(torch.equal(weights[k], saved[0][k]) for k in weights)
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(optimizer_state, saved[1], strict=True) for k in a)
+    assert all(
+        torch.equal(a[k], b[k]) for a, b in zip(optimizer_state, saved[1], strict=True) for k in a
+    )
     shard = folder / "model" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-8] + b"altered!")
     assert "model/__0_0.distcp does not match its checksum" in checkpoint.checkpoint_problem(folder)
@@ -113,14 +139,22 @@ def test_a_sharded_checkpoint_round_trips_bitwise_inside_the_commit_protocol(tmp
 
 def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_path, launched):
     cfg, plumbing, model, optimizer = sharded_job(tmp_path)
-    parts = checkpoint.checkpoint_parts(plumbing, model=model, optimizer=optimizer, train_state=TrainState())
+    parts = checkpoint.checkpoint_parts(
+        plumbing, model=model, optimizer=optimizer, train_state=TrainState()
+    )
     sharded = checkpoint.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
     unsharded_cfg = cfg_for(tmp_path / "b")
     plain = TorchDDP(unsharded_cfg)
     plain_model = build_model(unsharded_cfg)
-    plain_parts = checkpoint.checkpoint_parts(plain, model=plain_model, optimizer=build_optimizer(plain_model, cfg),
-                                              train_state=TrainState())
-    with pytest.raises(CheckpointError, match="holds model sharded and this run's is unsharded") as refused:
+    plain_parts = checkpoint.checkpoint_parts(
+        plain,
+        model=plain_model,
+        optimizer=build_optimizer(plain_model, cfg),
+        train_state=TrainState(),
+    )
+    with pytest.raises(
+        CheckpointError, match="holds model sharded and this run's is unsharded"
+    ) as refused:
         resuming.resume_from(plain, unsharded_cfg, sharded, plain_parts, IDENTITY)
     assert "\n" not in str(refused.value)
     unsharded = checkpoint.save_checkpoint(plain, unsharded_cfg, plain_parts, 1, IDENTITY)
@@ -128,13 +162,17 @@ def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_pat
         resuming.resume_from(plumbing, cfg, unsharded, parts, IDENTITY)
 
 
-def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_reads_it_back(tmp_path, launched):
+def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_reads_it_back(
+    tmp_path, launched
+):
     cfg, plumbing, model, optimizer = sharded_job(tmp_path)
     train_a_step(model, optimizer)
     (tmp_path / "run").mkdir()
     path = checkpoint.export_model(plumbing, model, cfg.output_dir)
     plain = build_model(cfg)  # no process group needed to use it
-    load_model(plain, str(path))  # strict: every weight there, tied ones once, as an unsharded run writes it
+    load_model(
+        plain, str(path)
+    )  # strict: every weight there, tied ones once, as an unsharded run writes it
     trained = {k: full(v) for k, v in model.state_dict().items()}
     assert all(torch.equal(v, trained[k]) for k, v in plain.state_dict().items())
     unsharded = tmp_path / "unsharded.safetensors"
@@ -148,10 +186,14 @@ def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_r
 def test_fsdp_without_a_launcher_and_on_main_py_are_one_line_errors(tmp_path, monkeypatch):
     import main
 
-    plumbing = TorchDDP(cfg_for(tmp_path, fsdp="full"))  # no MASTER_ADDR: no process group to shard over
+    plumbing = TorchDDP(
+        cfg_for(tmp_path, fsdp="full")
+    )  # no MASTER_ADDR: no process group to shard over
     with pytest.raises(ConfigError, match="fsdp needs a process group: launch with torchrun"):
         plumbing.prepare(build_model(plumbing.cfg))
-    with pytest.raises(ConfigError, match="fsdp is torch_ddp.py's switch; main.py shards as its accelerate config"):
+    with pytest.raises(
+        ConfigError, match="fsdp is torch_ddp.py's switch; main.py shards as its accelerate config"
+    ):
         main.build_accelerator(cfg_for(tmp_path, fsdp="hybrid"))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
@@ -159,7 +201,9 @@ def test_fsdp_without_a_launcher_and_on_main_py_are_one_line_errors(tmp_path, mo
         main.build_accelerator(cfg_for(tmp_path))
 
 
-KNOBS = dict(static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=7, broadcast_buffers=False)
+KNOBS = dict(
+    static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=7, broadcast_buffers=False
+)
 
 
 def test_the_ddp_knobs_reach_accelerates_ddp(tmp_path):
@@ -177,20 +221,32 @@ def test_the_ddp_knobs_reach_ddp_on_the_torch_path(tmp_path, launched):
     plumbing = TorchDDP(cfg)
     plumbing.distributed = True  # a group of 1 is still DDP
     ddp = plumbing.prepare(build_model(cfg))
-    assert (ddp.static_graph, ddp.gradient_as_bucket_view, ddp.broadcast_buffers) == (True, True, False)
+    assert (ddp.static_graph, ddp.gradient_as_bucket_view, ddp.broadcast_buffers) == (
+        True,
+        True,
+        False,
+    )
     assert ddp.bucket_bytes_cap == 7 * 1024 * 1024
-    assert TrainConfig().ddp_options() == {}  # left at DDP's defaults, nothing is passed (nor warned about)
+    assert (
+        TrainConfig().ddp_options() == {}
+    )  # left at DDP's defaults, nothing is passed (nor warned about)
 
 
-def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does(tmp_path, monkeypatch):
+def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does(
+    tmp_path, monkeypatch
+):
     """accelerate's own FSDP2 policy for bf16 reduces in bf16; main.py hands it the torch path's policy. (The plugin
     is built from what `accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml` sets.)"""
     import accelerate
 
     import main
 
-    for key, value in dict(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", ACCELERATE_MIXED_PRECISION="bf16",
-                           FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP").items():
+    for key, value in dict(
+        ACCELERATE_USE_FSDP="true",
+        FSDP_VERSION="2",
+        ACCELERATE_MIXED_PRECISION="bf16",
+        FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+    ).items():
         monkeypatch.setenv(key, value)
     built = {}
 

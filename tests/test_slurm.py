@@ -13,12 +13,12 @@ SLURM = REPO / "scripts" / "slurm"
 SHIMS = {
     # scontrol: the job's hosts, and a record of requeues
     "scontrol": '[ "$1 $2" = "show hostnames" ] && printf "gpu-node-a\\ngpu-node-b\\n" && exit 0\n'
-                'echo "scontrol $*" >> "$SHIM_LOG"',
+    'echo "scontrol $*" >> "$SHIM_LOG"',
     # srun: run the task once per node, as SLURM would, with that node's variables
     "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
-            'for node in $(seq 0 $((SLURM_NNODES - 1))); do\n'
-            '    SLURM_NODEID=$node SLURM_PROCID=$node "$@" || exit $?\n'
-            'done',
+    "for node in $(seq 0 $((SLURM_NNODES - 1))); do\n"
+    '    SLURM_NODEID=$node SLURM_PROCID=$node "$@" || exit $?\n'
+    "done",
     "accelerate": 'echo "accelerate $*" >> "$SHIM_LOG"',
     "torchrun": 'echo "torchrun $*" >> "$SHIM_LOG"',
 }
@@ -31,20 +31,30 @@ def fake_slurm(tmp_path):
     for name, body in SHIMS.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
         (bin_dir / name).chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SHIM_LOG": str(tmp_path / "calls.log"),
-           "SLURM_JOB_NODELIST": "gpu-node-[a-b]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
-           "SLURM_JOB_NAME": "exp", "OUTPUT_DIR": str(tmp_path / "run")}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SHIM_LOG": str(tmp_path / "calls.log"),
+        "SLURM_JOB_NODELIST": "gpu-node-[a-b]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "exp",
+        "OUTPUT_DIR": str(tmp_path / "run"),
+    }
     return env, tmp_path / "calls.log"
 
 
 def run_script(name, env):
-    result = subprocess.run(["bash", str(SLURM / name)], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=30)
+    result = subprocess.run(
+        ["bash", str(SLURM / name)], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 0, result.stderr
     return result
 
 
-@pytest.mark.parametrize("name", ["accelerate_2node.sbatch", "torchrun_2node.sbatch", "accelerate_1node.sbatch"])
+@pytest.mark.parametrize(
+    "name", ["accelerate_2node.sbatch", "torchrun_2node.sbatch", "accelerate_1node.sbatch"]
+)
 def test_scripts_parse(name):
     subprocess.run(["bash", "-n", str(SLURM / name)], check=True)
     text = (SLURM / name).read_text()
@@ -58,12 +68,18 @@ def test_scripts_parse(name):
 
 def test_the_gpu_count_follows_the_allocation_and_data_is_read_offline(fake_slurm):
     env, log = fake_slurm
-    run_script("accelerate_2node.sbatch", {**env, "SLURM_GPUS_ON_NODE": "4"})  # sbatch --gpus-per-node=4
-    assert all("--num_machines 2 --num_processes 8" in call for call in log.read_text().splitlines())
+    run_script(
+        "accelerate_2node.sbatch", {**env, "SLURM_GPUS_ON_NODE": "4"}
+    )  # sbatch --gpus-per-node=4
+    assert all(
+        "--num_machines 2 --num_processes 8" in call for call in log.read_text().splitlines()
+    )
     log.unlink()
     run_script("accelerate_1node.sbatch", {**env, "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "4"})
     [call] = log.read_text().splitlines()
-    assert call.startswith("accelerate launch --config_file accelerate_configs/8gpu.yaml --num_processes 4 ")
+    assert call.startswith(
+        "accelerate launch --config_file accelerate_configs/8gpu.yaml --num_processes 4 "
+    )
     assert call.endswith(f"--output_dir {env['OUTPUT_DIR']} --resume latest")
     job_env = (SLURM / "job_env.sh").read_text()
     assert "export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}" in job_env and "data/prepare.py" in job_env
@@ -77,9 +93,13 @@ def test_accelerate_script_starts_one_launcher_per_node(fake_slurm):
     for node, call in enumerate(calls):
         assert call.startswith("accelerate launch --config_file accelerate_configs/2node.yaml")
         assert "--num_machines 2 --num_processes 16" in call
-        assert f"--machine_rank {node} --main_process_ip gpu-node-a --main_process_port 29500" in call
-        assert call.endswith(f"train/main.py --config train/configs/gpt2_small.yaml --output_dir {env['OUTPUT_DIR']} "
-                             "--resume latest")
+        assert (
+            f"--machine_rank {node} --main_process_ip gpu-node-a --main_process_port 29500" in call
+        )
+        assert call.endswith(
+            f"train/main.py --config train/configs/gpt2_small.yaml --output_dir {env['OUTPUT_DIR']} "
+            "--resume latest"
+        )
 
 
 def test_torchrun_script_uses_c10d_rendezvous_on_the_first_node(fake_slurm):

@@ -8,18 +8,32 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_corpus
-
-from config import load_config
-from errors import ConfigError
 import data
+from config import load_config
+from conftest import write_corpus
 from data import build_datasets
+from errors import ConfigError
 from streaming import DOCUMENTS_PER_READ, StreamBatches
 
 
 def streaming_config(corpus, *flags):
-    return load_config(["--dataset", str(corpus), "--streaming", "true", "--block_size", "16", "--batch_size", "2",
-                        "--shuffle_buffer", "8", "--streaming_eval_blocks", "4", *flags])
+    return load_config(
+        [
+            "--dataset",
+            str(corpus),
+            "--streaming",
+            "true",
+            "--block_size",
+            "16",
+            "--batch_size",
+            "2",
+            "--shuffle_buffer",
+            "8",
+            "--streaming_eval_blocks",
+            "4",
+            *flags,
+        ]
+    )
 
 
 def process(rank, world=2):
@@ -37,20 +51,32 @@ def one_epoch(stream):
 
 
 def test_each_process_packs_its_own_share_and_together_they_cover_every_document_once(tmp_path):
-    corpus = write_corpus(tmp_path / "corpus.jsonl", n_docs=300)  # several reads per process and epoch
+    corpus = write_corpus(
+        tmp_path / "corpus.jsonl", n_docs=300
+    )  # several reads per process and epoch
     cfg = streaming_config(corpus)
     documents, _ = build_datasets(cfg)
     rows = list(documents)  # the training documents, in the stream's order
     pack = data.packer(cfg)  # the fork's one packer, as the map-style path uses it
     for rank in range(2):
         drawn, _ = one_epoch(StreamBatches(documents, cfg, process(rank)))
-        packed = torch.cat([torch.from_numpy(block) for _, block in sorted(drawn, key=lambda item: item[0])])
+        packed = torch.cat(
+            [torch.from_numpy(block) for _, block in sorted(drawn, key=lambda item: item[0])]
+        )
         # a single file is shared document by document: rank r reads documents r, r + 2, ..., packed as read
         share = rows[rank::2]
-        reads = [share[i : i + DOCUMENTS_PER_READ] for i in range(0, len(share), DOCUMENTS_PER_READ)]
-        expected = [pack({key: [row[key] for row in read] for key in read[0]})["input_ids"] for read in reads]
+        reads = [
+            share[i : i + DOCUMENTS_PER_READ] for i in range(0, len(share), DOCUMENTS_PER_READ)
+        ]
+        expected = [
+            pack({key: [row[key] for row in read] for key in read[0]})["input_ids"]
+            for read in reads
+        ]
         assert len(reads) > 1
-        assert packed.tolist() == torch.cat([torch.as_tensor(blocks) for blocks in expected]).flatten().tolist()
+        assert (
+            packed.tolist()
+            == torch.cat([torch.as_tensor(blocks) for blocks in expected]).flatten().tolist()
+        )
         assert sorted(i for (_, i), _ in drawn) == list(range(len(drawn)))  # every block drawn once
 
 
@@ -64,7 +90,7 @@ def test_the_buffer_draws_another_order_each_epoch_and_per_process(corpus):
     assert first_order != list(range(len(first)))  # shuffled
     assert second != first_order[1:]
     other, _ = one_epoch(StreamBatches(documents, cfg, process(0, world=1)))
-    assert [i for (_, i), _ in other] != first_order[:len(other)]
+    assert [i for (_, i), _ in other] != first_order[: len(other)]
 
 
 def test_a_stream_restored_from_its_state_draws_exactly_what_the_original_draws_next(corpus):
@@ -91,14 +117,23 @@ def test_the_eval_set_is_held_out_text_whatever_its_position(corpus):
     assert len(evaluation) == 4 and evaluation[0]["input_ids"].shape == (16,)
     train_texts = {doc["text"] for doc in documents}
     eval_bytes = bytes(torch.cat([evaluation[i]["input_ids"] for i in range(4)]).tolist())
-    held_out = [json.loads(line)["text"] for line in corpus.read_text().splitlines()
-                if json.loads(line)["text"] not in train_texts]
+    held_out = [
+        json.loads(line)["text"]
+        for line in corpus.read_text().splitlines()
+        if json.loads(line)["text"] not in train_texts
+    ]
     assert held_out and eval_bytes.decode("utf-8", "replace").startswith(held_out[0][:8])
 
 
-def test_a_stream_without_the_text_column_or_with_loader_workers_is_a_one_line_error_at_start_up(tmp_path, corpus):
-    with pytest.raises(ConfigError, match="text_column 'body' is not a column of .* \\(columns: text, id\\)"):
-        build_datasets(streaming_config(corpus, "--text_column", "body"))  # reads the first row only
+def test_a_stream_without_the_text_column_or_with_loader_workers_is_a_one_line_error_at_start_up(
+    tmp_path, corpus
+):
+    with pytest.raises(
+        ConfigError, match="text_column 'body' is not a column of .* \\(columns: text, id\\)"
+    ):
+        build_datasets(
+            streaming_config(corpus, "--text_column", "body")
+        )  # reads the first row only
     with pytest.raises(ConfigError, match="num_workers must be 0 with streaming"):
         streaming_config(corpus, "--num_workers", "2")
     empty = tmp_path / "empty.jsonl"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from config import TrainConfig
+from lm import flops_per_token
 from model import build_model
 from torch_ddp import TorchDDP
-from lm import flops_per_token
 from tracking import MetricsLogger, Throughput, peak_flops_per_gpu, wandb_init_kwargs
 
 
@@ -16,14 +16,30 @@ from tracking import MetricsLogger, Throughput, peak_flops_per_gpu, wandb_init_k
 @pytest.mark.parametrize("bias", [False, True])
 def test_flops_per_token_matches_a_hand_count(bias):
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, bias=bias)
-    d, L, T, V, b = 8, 2, 4, 256, int(bias)  # b: a bias per output (linear) or per feature (norm), if any
-    per_block = (d + b * d) + (3 * d * d + b * 3 * d) + (d * d + b * d) + (d + b * d) + (4 * d * d + b * 4 * d) \
+    d, L, T, V, b = (
+        8,
+        2,
+        4,
+        256,
+        int(bias),
+    )  # b: a bias per output (linear) or per feature (norm), if any
+    per_block = (
+        (d + b * d)
+        + (3 * d * d + b * 3 * d)
+        + (d * d + b * d)
+        + (d + b * d)
+        + (4 * d * d + b * 4 * d)
         + (4 * d * d + b * d)
+    )
     #   ln_1           qkv                      attn proj          ln_2           fc                      mlp proj
-    params = V * d + L * per_block + (d + b * d)  # tied embedding/output + blocks + final norm; no position table
+    params = (
+        V * d + L * per_block + (d + b * d)
+    )  # tied embedding/output + blocks + final norm; no position table
     expected = 6 * params + 12 * L * d * T
     model = build_model(cfg)
-    assert sum(p.numel() for p in model.parameters()) == params + T * d  # the position table is the rest
+    assert (
+        sum(p.numel() for p in model.parameters()) == params + T * d
+    )  # the position table is the rest
     assert model.flops_per_token() == expected == flops_per_token(model)
 
 
@@ -32,16 +48,28 @@ def test_a_model_without_an_estimate_gets_six_n():
     assert flops_per_token(model) == 6 * 55
 
 
-@pytest.mark.parametrize("name, flops", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                                         ("NVIDIA A100-SXM4-40GB", 312e12), ("NVIDIA L4", 121e12),
-                                         ("NVIDIA GeForce GTX 1080", None)])
+@pytest.mark.parametrize(
+    "name, flops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-40GB", 312e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA GeForce GTX 1080", None),
+    ],
+)
 def test_peak_table(name, flops):
     assert peak_flops_per_gpu(name) == flops
 
 
 def test_no_mfu_or_gpu_memory_on_cpu_but_the_peak_resident_memory():
-    meter = Throughput(samples_per_step=8, tokens_per_step=512, flops_per_token=1e6, num_processes=2,
-                       mixed_precision="bf16")
+    meter = Throughput(
+        samples_per_step=8,
+        tokens_per_step=512,
+        flops_per_token=1e6,
+        num_processes=2,
+        mixed_precision="bf16",
+    )
     meter.step()
     report = meter.report()
     assert report["tokens_per_s"] > 0 and report["samples_per_s"] > 0 and report["step_time_s"] > 0
@@ -66,11 +94,22 @@ def test_wandb_arguments_come_from_config_and_never_hold_a_key(tmp_path, monkeyp
     monkeypatch.setenv("WANDB_API_KEY", "sk-should-not-appear")
     cfg = TrainConfig(output_dir=str(tmp_path / "exp1"), wandb_tags="a,b", wandb_group="sweep")
     kwargs = wandb_init_kwargs(cfg, "run123", 0)
-    assert kwargs == {"name": "exp1", "id": "run123", "resume": "allow", "dir": str(tmp_path / "exp1"),
-                      "group": "sweep", "tags": ["a", "b"], "settings": {"quiet": True}}
+    assert kwargs == {
+        "name": "exp1",
+        "id": "run123",
+        "resume": "allow",
+        "dir": str(tmp_path / "exp1"),
+        "group": "sweep",
+        "tags": ["a", "b"],
+        "settings": {"quiet": True},
+    }
     assert "sk-should-not-appear" not in json.dumps(kwargs)
-    rewind = wandb_init_kwargs(cfg, "run123", 40)  # a resume rewinds the W&B run to the checkpoint's step
-    assert rewind["resume_from"] == "run123?_step=40" and "id" not in rewind and "resume" not in rewind
+    rewind = wandb_init_kwargs(
+        cfg, "run123", 40
+    )  # a resume rewinds the W&B run to the checkpoint's step
+    assert (
+        rewind["resume_from"] == "run123?_step=40" and "id" not in rewind and "resume" not in rewind
+    )
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
@@ -82,5 +121,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
     log.start(log.cfg, 2, {})  # resumed at step 2: the crash tore the row of step 3 mid-write
     log.log(3, {"loss": 1.25})
     log.close()
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [row["step"] for row in rows] == [1, 2, 3] and rows[-1]["loss"] == 1.25

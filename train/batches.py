@@ -1,12 +1,11 @@
 """The training data's order and position, the same on both plumbings and at any world size.
 
-- `EpochSampler`: which samples, in which order (a function of the seed, the epoch and the global batch).
-- `TrainBatches`: the endless stream of one process's micro-batches, and its position as a checkpoint part.
-- `fast_reader`: the packed blocks read straight from datasets' memory-mapped Arrow cache.
-- `data_identity`: what a resume must find unchanged for the order to continue exactly where it stopped.
-(Streamed data has its own stream and position: streaming.py.) None of this depends on what data.py holds
-beyond "a map-style dataset of samples".
-"""
+- `EpochSampler`: which samples, in which order (a function of the seed, the epoch and the global
+batch). - `TrainBatches`: the endless stream of one process's micro-batches, and its position as a
+checkpoint part. - `fast_reader`: the packed blocks read straight from datasets' memory-mapped Arrow
+cache. - `data_identity`: what a resume must find unchanged for the order to continue exactly where
+it stopped. (Streamed data has its own stream and position: streaming.py.) None of this depends on
+what data.py holds beyond "a map-style dataset of samples"."""
 
 from __future__ import annotations
 
@@ -16,10 +15,11 @@ from torch.utils.data import Sampler
 
 
 class EpochSampler(Sampler[int]):
-    """Each epoch a fresh permutation of the dataset, seeded by (seed + epoch), cut to whole global batches: a
-    function of (seed, epoch, global batch) alone. World size, per-process batch and accumulation only decide
-    who computes a sample, never in which step, so both plumbings, and a resume on another world size with
-    the same global batch, train on the same samples in the same steps."""
+    """Each epoch a fresh permutation of the dataset, seeded by (seed + epoch), cut to whole global
+    batches: a function of (seed, epoch, global batch) alone. World size, per-process batch and
+    accumulation only decide who computes a sample, never in which step, so both plumbings, and a
+    resume on another world size with the same global batch, train on the same samples in the same
+    steps."""
 
     def __init__(self, num_samples: int, seed: int, samples_per_step: int):
         self.dataset_size = num_samples
@@ -33,7 +33,8 @@ class EpochSampler(Sampler[int]):
         self.epoch = epoch
 
     def start_next_pass_at(self, sample: int) -> None:
-        """The next pass (only) begins at this sample of the epoch: a mid-epoch resume skips by index."""
+        """The next pass (only) begins at this sample of the epoch: a mid-epoch resume skips by
+        index."""
         self._start = sample
 
     def __iter__(self):
@@ -48,10 +49,11 @@ class EpochSampler(Sampler[int]):
 
 
 class TrainBatches:
-    """The endless stream of this process's training micro-batches (next(batches)), and a checkpoint part whose
-    state is one number, `micro_batches`: global micro-batches consumed (of `samples_per_micro_batch` samples,
-    all processes together). Saved with that size, so a resume whose micro-batch differs (another world size or
-    accumulation, the same global batch) converts it and continues with the uninterrupted run's next sample."""
+    """The endless stream of this process's training micro-batches (next(batches)), and a checkpoint
+    part whose state is one number, `micro_batches`: global micro-batches consumed (of
+    `samples_per_micro_batch` samples, all processes together). Saved with that size, so a resume
+    whose micro-batch differs (another world size or accumulation, the same global batch) converts
+    it and continues with the uninterrupted run's next sample."""
 
     def __init__(self, loader, sampler: EpochSampler, samples_per_micro_batch: int):
         self.loader = loader
@@ -100,9 +102,9 @@ class TrainBatches:
 
 
 class ArrowBlocks(torch.utils.data.Dataset):
-    """Packed blocks read as numpy views of datasets' memory-mapped Arrow cache, as nanoGPT reads its memmap: no
-    copy of the data, no per-row formatting (a DataLoader batch of 8 x 64 tokens: 554 -> 144 us, measured).
-    `fast_reader` decides when a dataset qualifies."""
+    """Packed blocks read as numpy views of datasets' memory-mapped Arrow cache, as nanoGPT reads
+    its memmap: no copy of the data, no per-row formatting (a DataLoader batch of 8 x 64 tokens: 554
+    -> 144 us, measured). `fast_reader` decides when a dataset qualifies."""
 
     def __init__(self, dataset):
         self.dataset = dataset
@@ -141,8 +143,8 @@ class ArrowBlocks(torch.utils.data.Dataset):
 
 
 def fast_reader(dataset):
-    """ArrowBlocks over `dataset` if it holds only fixed-length token blocks in storage order (what the shipped
-    data.py makes); any other dataset (a fork's own, a filtered view) as it is."""
+    """ArrowBlocks over `dataset` if it holds only fixed-length token blocks in storage order (what
+    the shipped data.py makes); any other dataset (a fork's own, a filtered view) as it is."""
     import datasets
 
     if not isinstance(dataset, datasets.Dataset):

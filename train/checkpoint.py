@@ -43,18 +43,22 @@ from errors import CheckpointError, first_line
 from plumbing import collectively, is_writer
 
 STEP_PREFIX = "step_"
-COMMITTED_NAME = re.compile(r"step_\d{8}")  # not step_N.tmp (being written) nor step_N.stale (being replaced)
+COMMITTED_NAME = re.compile(
+    r"step_\d{8}"
+)  # not step_N.tmp (being written) nor step_N.stale (being replaced)
 MANIFEST = "manifest.json"
 
 
 @dataclass
 class TrainState:
-    """Where training is (a checkpoint part). Samples seen = step x global batch; the data position is its own
-    part (batches.py, streaming.py)."""
+    """Where training is (a checkpoint part). Samples seen = step x global batch; the data position
+    is its own part (batches.py, streaming.py)."""
 
     step: int = 0  # optimizer steps completed
     tracker_run_id: str = ""  # the W&B run to continue on resume
-    lr_decay_steps: int = 0  # the LR schedule's horizon, fixed at the run's first start (see config.py)
+    lr_decay_steps: int = (
+        0  # the LR schedule's horizon, fixed at the run's first start (see config.py)
+    )
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -65,7 +69,8 @@ class TrainState:
 
 
 class ProcessRNG:
-    """This process's random generators (Python, NumPy, torch, CUDA), as tensors and lists (weights_only)."""
+    """This process's random generators (Python, NumPy, torch, CUDA), as tensors and lists
+    (weights_only)."""
 
     def state_dict(self) -> dict:
         np_state = np.random.get_state()
@@ -93,7 +98,8 @@ class ProcessRNG:
 
 
 class Weights:
-    """A module's weights as <name>.safetensors (tied weights stored once), written by the writer."""
+    """A module's weights as <name>.safetensors (tied weights stored once), written by the
+    writer."""
 
     bound_to_world_size = False  # the same file at any world size
 
@@ -115,9 +121,10 @@ class Weights:
 
 
 class Sharded:
-    """A sharded (FSDP) model's weights, or with `optimizer` that optimizer's state: every process writes and
-    reads its own shards through torch.distributed.checkpoint (DCP), as the folder <name>/ (a .distcp file per
-    process, and .metadata). DCP reshards on a resume at another world size."""
+    """A sharded (FSDP) model's weights, or with `optimizer` that optimizer's state: every process
+    writes and reads its own shards through torch.distributed.checkpoint (DCP), as the folder
+    <name>/ (a .distcp file per process, and .metadata). DCP reshards on a resume at another world
+    size."""
 
     bound_to_world_size = False
 
@@ -129,14 +136,20 @@ class Sharded:
         return []  # DCP names its own files: the manifest lists what it wrote
 
     def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         if self.optimizer is None:
             return get_model_state_dict(self.module)
         return get_optimizer_state_dict(self.module, self.optimizer)
 
     def load_state_dict(self, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         if self.optimizer is None:
             set_model_state_dict(self.module, state)
@@ -144,7 +157,9 @@ class Sharded:
             set_optimizer_state_dict(self.module, self.optimizer, state)
 
     def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
-        self._dcp(folder, name, load=False)  # collective: every process its shards, rank 0 the metadata
+        self._dcp(
+            folder, name, load=False
+        )  # collective: every process its shards, rank 0 the metadata
 
     def check(self, folder: Path, name: str, plumbing) -> None:
         if not (folder / name).is_dir():
@@ -154,8 +169,8 @@ class Sharded:
         self._dcp(folder, name, load=True)
 
     def _dcp(self, folder: Path, name: str, load: bool) -> None:
-        """DCP reports a failure on any process to all of them as one BaseException: re-raised here as the
-        first process's error."""
+        """DCP reports a failure on any process to all of them as one BaseException: re-raised here
+        as the first process's error."""
         import torch.distributed.checkpoint as dcp
 
         try:
@@ -169,9 +184,9 @@ class Sharded:
 
 
 class PerProcess:
-    """A state each process has its own of, as <name>_rank{r}.pt, written and read by that process. On another
-    world size there is no state for the new processes: a part `bound_to_world_size` (a stream's position)
-    refuses the resume, any other (the RNG) starts afresh."""
+    """A state each process has its own of, as <name>_rank{r}.pt, written and read by that process.
+    On another world size there is no state for the new processes: a part `bound_to_world_size` (a
+    stream's position) refuses the resume, any other (the RNG) starts afresh."""
 
     def __init__(self, state, bound_to_world_size: bool):
         self.state = state
@@ -191,8 +206,8 @@ class PerProcess:
 
 
 class Plain:
-    """Any object with state_dict() / load_state_dict(), written by the writer: <name>.json if its state is
-    plain values, else <name>.pt (tensors, read back weights_only)."""
+    """Any object with state_dict() / load_state_dict(), written by the writer: <name>.json if its
+    state is plain values, else <name>.pt (tensors, read back weights_only)."""
 
     bound_to_world_size = False
 
@@ -226,7 +241,8 @@ class Plain:
 
 
 def as_part(value):
-    """The kind of part for a value given to checkpoint_parts: a module's weights, or plain state."""
+    """The kind of part for a value given to checkpoint_parts: a module's weights, or plain
+    state."""
     if isinstance(value, (Weights, Sharded, PerProcess, Plain)):
         return value
     if isinstance(value, torch.nn.Module):
@@ -235,9 +251,9 @@ def as_part(value):
 
 
 def checkpoint_parts(plumbing, model, optimizer, **others) -> dict:
-    """The named parts a checkpoint saves and a resume restores: the model and optimizer (sharded under FSDP),
-    the ones given, this process's RNG, and fp16's loss scaler. A fork adds its own in one line, before the
-    resume: parts["ema"] = ema_model."""
+    """The named parts a checkpoint saves and a resume restores: the model and optimizer (sharded
+    under FSDP), the ones given, this process's RNG, and fp16's loss scaler. A fork adds its own in
+    one line, before the resume: parts["ema"] = ema_model."""
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
     if is_sharded(module):  # no process holds all of it: each writes its shards
         parts = {"model": Sharded(module), "optimizer": Sharded(module, optimizer)}
@@ -251,7 +267,9 @@ def checkpoint_parts(plumbing, model, optimizer, **others) -> dict:
 
 
 def is_sharded(module) -> bool:
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whatever sharded the model (1.2 s to import)
+    fsdp = sys.modules.get(
+        "torch.distributed.fsdp"
+    )  # imported by whatever sharded the model (1.2 s to import)
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
@@ -271,7 +289,8 @@ def checkpoint_root(output_dir: str) -> Path:
 
 
 def committed_checkpoints(output_dir: str) -> list[Path]:
-    """Complete checkpoints, oldest first. A folder without a manifest (a crash mid-save) is ignored."""
+    """Complete checkpoints, oldest first. A folder without a manifest (a crash mid-save) is
+    ignored."""
     found = [
         path
         for path in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*")
@@ -292,7 +311,8 @@ def step_of(checkpoint: Path) -> int:
 
 
 def run_geometry(plumbing, cfg) -> dict:
-    """How the run splits its global batch; a resume needs the same global_batch and block_size, not the rest."""
+    """How the run splits its global batch; a resume needs the same global_batch and block_size, not
+    the rest."""
     return {
         "world_size": plumbing.num_processes,
         "batch_size": cfg.batch_size,
@@ -303,9 +323,9 @@ def run_geometry(plumbing, cfg) -> dict:
 
 
 def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Path:
-    """Write, vote, publish by rename, prune. The manifest records the run's geometry and data `identity`, what
-    a resume must find unchanged (resume.py). Collective: call on all ranks; a failure anywhere raises
-    everywhere."""
+    """Write, vote, publish by rename, prune. The manifest records the run's geometry and data
+    `identity`, what a resume must find unchanged (resume.py). Collective: call on all ranks; a
+    failure anywhere raises everywhere."""
     run = {**run_geometry(plumbing, cfg), **identity}
     final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -333,7 +353,12 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Pa
             prune_checkpoints(cfg.output_dir, cfg.keep_last)
 
     collectively(plumbing, f"creating {tmp}", create_tmp)
-    collectively(plumbing, f"saving the checkpoint of step {step} to {tmp}", write_parts, on_failure=remove_tmp)
+    collectively(
+        plumbing,
+        f"saving the checkpoint of step {step} to {tmp}",
+        write_parts,
+        on_failure=remove_tmp,
+    )
     collectively(plumbing, f"committing {final}", commit)
     return final
 
@@ -347,7 +372,9 @@ def node_ranks(plumbing, shared_filesystem: bool) -> range:
     ranks = range(plumbing.num_processes)
     if shared_filesystem:
         return ranks
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))  # torchrun and accelerate set these
+    per_node = int(
+        os.environ.get("LOCAL_WORLD_SIZE", len(ranks))
+    )  # torchrun and accelerate set these
     node = int(os.environ.get("GROUP_RANK", "0"))
     return range(node * per_node, (node + 1) * per_node)
 
@@ -357,7 +384,8 @@ def expected_files(parts: dict, ranks: range) -> list[str]:
 
 
 def publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
-    """Manifest last, then one rename: a checkpoint is either complete under its final name or absent."""
+    """Manifest last, then one rename: a checkpoint is either complete under its final name or
+    absent."""
     missing = [name for name in expected if not (tmp / name).is_file()]
     if missing:
         raise CheckpointError(
@@ -367,7 +395,10 @@ def publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
     files = {}
     for path in sorted(tmp.rglob("*")):
         if path.is_file():
-            files[str(path.relative_to(tmp))] = {"bytes": path.stat().st_size, "xxh3_64": file_digest(path)}
+            files[str(path.relative_to(tmp))] = {
+                "bytes": path.stat().st_size,
+                "xxh3_64": file_digest(path),
+            }
     write_file(tmp / MANIFEST, json.dumps({**about, "files": files}, indent=2).encode())
     if final.exists():  # the same step saved again (a resumed run): keep the old one until the swap
         stale = final.with_name(final.name + ".stale")
@@ -380,8 +411,8 @@ def publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
 
 
 def recover_interrupted_swap(output_dir: str) -> None:
-    """A crash between publish's two renames leaves step_N.stale (the old committed copy) and no step_N:
-    put it back. Called by the writer at start-up, under the run folder's lock."""
+    """A crash between publish's two renames leaves step_N.stale (the old committed copy) and no
+    step_N: put it back. Called by the writer at start-up, under the run folder's lock."""
     for stale in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*.stale"):
         final = stale.with_suffix("")
         if final.exists():
@@ -391,12 +422,15 @@ def recover_interrupted_swap(output_dir: str) -> None:
 
 
 def prune_checkpoints(output_dir: str, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` committed checkpoints, and leftovers of crashed saves."""
+    """Delete all but the newest `keep_last` committed checkpoints, and leftovers of crashed
+    saves."""
     for old in committed_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old)
     root = checkpoint_root(output_dir)
     for leftover in [*root.glob("*.tmp"), *root.glob("*.stale")]:
-        shutil.rmtree(leftover, ignore_errors=True)  # called right after a commit: no save is in flight
+        shutil.rmtree(
+            leftover, ignore_errors=True
+        )  # called right after a commit: no save is in flight
 
 
 # ---------------------------------------------------------------- read back
@@ -408,7 +442,8 @@ def read_manifest(folder: Path) -> dict:
 
 
 def checkpoint_problem(folder: Path) -> str | None:
-    """What is wrong with a checkpoint folder (no manifest, a missing, truncated or altered file), or None."""
+    """What is wrong with a checkpoint folder (no manifest, a missing, truncated or altered file),
+    or None."""
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -423,9 +458,10 @@ def checkpoint_problem(folder: Path) -> str | None:
 
 
 def load_checkpoint(plumbing, folder: Path, parts: dict, same_world_size: bool) -> None:
-    """Restore every part in place, after checking each against this run first (weights' names and shapes,
-    sharded or not, every file readable): a refusal leaves everything as it was. On another world size,
-    per-process parts are not read (the policy, resume.py, has refused those bound to the world size)."""
+    """Restore every part in place, after checking each against this run first (weights' names and
+    shapes, sharded or not, every file readable): a refusal leaves everything as it was. On another
+    world size, per-process parts are not read (the policy, resume.py, has refused those bound to
+    the world size)."""
     kinds = {name: as_part(part) for name, part in parts.items()}
     if not same_world_size:
         kinds = {name: part for name, part in kinds.items() if not isinstance(part, PerProcess)}
@@ -437,7 +473,9 @@ def load_checkpoint(plumbing, folder: Path, parts: dict, same_world_size: bool) 
         try:
             part.load(folder, name, plumbing)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: its part '{name}' does not fit this run: {first_line(e)}") from None
+            raise CheckpointError(
+                f"{folder}: its part '{name}' does not fit this run: {first_line(e)}"
+            ) from None
 
 
 def check_weights(path: Path, module: torch.nn.Module) -> None:
@@ -482,7 +520,8 @@ def load_weights_file(module: torch.nn.Module, path: Path) -> None:
 
 
 def tied_weights(module) -> list[list[str]]:
-    """Groups of names that share one parameter (GPT's wte.weight and lm_head.weight): a file holds one."""
+    """Groups of names that share one parameter (GPT's wte.weight and lm_head.weight): a file holds
+    one."""
     names = {}
     for name, parameter in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(parameter), []).append(name)
@@ -493,10 +532,11 @@ def tied_weights(module) -> list[list[str]]:
 
 
 def export_model(plumbing, model, output_dir: str, save_extras=None) -> Path:
-    """The trained weights as <output_dir>/model.safetensors, written by the main process (collective). A
-    sharded model is gathered whole first, in the main process's CPU memory: the file is the same as an
-    unsharded run's. A Hugging Face model is saved in its own layout too (config.json beside it), and
-    `save_extras(folder)` adds files to it (its tokenizer): from_pretrained(output_dir) loads both."""
+    """The trained weights as <output_dir>/model.safetensors, written by the main process
+    (collective). A sharded model is gathered whole first, in the main process's CPU memory: the
+    file is the same as an unsharded run's. A Hugging Face model is saved in its own layout too
+    (config.json beside it), and `save_extras(folder)` adds files to it (its tokenizer):
+    from_pretrained(output_dir) loads both."""
     path = Path(output_dir) / "model.safetensors"
     tmp = path.with_name(path.name + ".tmp")
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
@@ -513,7 +553,9 @@ def export_model(plumbing, model, output_dir: str, save_extras=None) -> Path:
         module.save_pretrained(tmp, state_dict=None if weights is module else weights)
         if save_extras is not None:
             save_extras(tmp)
-        for file in sorted(tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"):  # the weights last
+        for file in sorted(
+            tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"
+        ):  # the weights last
             umask_mode(file)
             os.replace(file, path.parent / file.name)
         tmp.rmdir()
@@ -531,8 +573,9 @@ def export_model(plumbing, model, output_dir: str, save_extras=None) -> Path:
 
 
 def full_weights(module) -> tuple[dict, dict]:
-    """A sharded model's whole state dict on the main process ({} elsewhere; collective), and the tied names left
-    out, as save_model leaves them out (it keeps the first in sorted order and notes {dropped: kept})."""
+    """A sharded model's whole state dict on the main process ({} elsewhere; collective), and the
+    tied names left out, as save_model leaves them out (it keeps the first in sorted order and notes
+    {dropped: kept})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -548,8 +591,9 @@ def full_weights(module) -> tuple[dict, dict]:
 
 
 def save_safetensors(weights, path: Path, metadata: dict | None = None) -> None:
-    """A module's weights (or a state dict) as safetensors, with the mode any other file gets here (umask):
-    safetensors creates its files 0600, which teammates on a shared filesystem could not read."""
+    """A module's weights (or a state dict) as safetensors, with the mode any other file gets here
+    (umask): safetensors creates its files 0600, which teammates on a shared filesystem could not
+    read."""
     if isinstance(weights, torch.nn.Module):
         save_model(weights, str(path))
     else:
@@ -564,7 +608,8 @@ def umask_mode(path: Path) -> None:
 
 
 def write_file(path: Path, data) -> None:
-    """Bytes as they are, anything else with torch.save; on disk (fsync) before a manifest can name it."""
+    """Bytes as they are, anything else with torch.save; on disk (fsync) before a manifest can name
+    it."""
     with open(path, "wb") as f:
         if isinstance(data, bytes):
             f.write(data)
@@ -584,18 +629,23 @@ def fsync_dir(folder: Path) -> None:
 
 
 def read_file(path: Path):
-    """A .json file, or a tensor file through torch.load restricted to tensors and plain containers (a pickle
-    that would run code is refused); anything else is a one-line CheckpointError naming the file."""
+    """A .json file, or a tensor file through torch.load restricted to tensors and plain containers
+    (a pickle that would run code is refused); anything else is a one-line CheckpointError naming
+    the file."""
     try:
         if path.suffix == ".json":
             return json.loads(path.read_text())
         return torch.load(path, "cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"{path.parent} has no {path.name}: not a checkpoint, or not of this run") from None
+        raise CheckpointError(
+            f"{path.parent} has no {path.name}: not a checkpoint, or not of this run"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path} refused: not a plain tensor file ({first_line(e)})") from None
+        raise CheckpointError(
+            f"{path} refused: not a plain tensor file ({first_line(e)})"
+        ) from None
 
 
 def file_digest(path: Path) -> str:

@@ -42,8 +42,9 @@ BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".
 
 
 def build_datasets(cfg):
-    """(train, eval) datasets of packed `block_size`-token blocks. With `streaming`, train is the stream of
-    documents itself, and eval the first `streaming_eval_blocks` blocks of the held-out documents."""
+    """(train, eval) datasets of packed `block_size`-token blocks. With `streaming`, train is the
+    stream of documents itself, and eval the first `streaming_eval_blocks` blocks of the held-out
+    documents."""
     splits = load_text(cfg)
     train_text, eval_text = train_eval_split(splits, cfg)
     pack = packer(cfg)
@@ -65,8 +66,9 @@ def build_datasets(cfg):
 
 
 def packer(cfg):
-    """`pack` bound to the values it reads. datasets fingerprints the function with its arguments to name its
-    cache: binding only these (not the whole config) keeps the cache when output_dir or lr changes."""
+    """`pack` bound to the values it reads. datasets fingerprints the function with its arguments to
+    name its cache: binding only these (not the whole config) keeps the cache when output_dir or lr
+    changes."""
     return functools.partial(
         pack,
         text_column=cfg.text_column,
@@ -76,7 +78,8 @@ def packer(cfg):
 
 
 def pack(documents: dict, text_column: str, block_size: int, tokenizer=None) -> dict:
-    """A batch of documents as `block_size`-token blocks, one after another (the tail is dropped)."""
+    """A batch of documents as `block_size`-token blocks, one after another (the tail is
+    dropped)."""
     tokens = token_stream(documents[text_column], tokenizer)
     n_blocks = len(tokens) // block_size
     blocks = tokens[: n_blocks * block_size].reshape(n_blocks, block_size)
@@ -84,21 +87,24 @@ def pack(documents: dict, text_column: str, block_size: int, tokenizer=None) -> 
 
 
 def collate(samples: list[dict]) -> dict:
-    """Stack samples into the model's inputs; a causal LM's labels are its inputs (it shifts them)."""
+    """Stack samples into the model's inputs; a causal LM's labels are its inputs (it shifts
+    them)."""
     input_ids = torch.stack([sample["input_ids"] for sample in samples]).long()
     return {"input_ids": input_ids, "labels": input_ids}
 
 
 def token_stream(texts: list, tokenizer=None) -> np.ndarray:
-    """The documents' tokens one after another, each document ended by the tokenizer's EOS (bytes: a newline),
-    in the narrowest unsigned type that holds the vocabulary (bytes: 1 per token). Empty documents are
-    skipped."""
+    """The documents' tokens one after another, each document ended by the tokenizer's EOS (bytes: a
+    newline), in the narrowest unsigned type that holds the vocabulary (bytes: 1 per token). Empty
+    documents are skipped."""
     texts = [str(text) for text in texts if text]
     if tokenizer is None:
         encoded = b"".join(text.encode("utf-8") + b"\n" for text in texts)
         return np.frombuffer(encoded, dtype=np.uint8)
     documents = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    ids = itertools.chain.from_iterable(document + [tokenizer.eos_token_id] for document in documents)
+    ids = itertools.chain.from_iterable(
+        document + [tokenizer.eos_token_id] for document in documents
+    )
     return np.fromiter(ids, dtype=token_dtype(len(tokenizer)))
 
 
@@ -132,7 +138,9 @@ def load_text(cfg):
         splits = load_local_files(source, cfg.streaming)
     else:
         try:
-            splits = datasets.load_dataset(source, cfg.dataset_config or None, streaming=cfg.streaming)
+            splits = datasets.load_dataset(
+                source, cfg.dataset_config or None, streaming=cfg.streaming
+            )
         except Exception as e:  # offline, unknown name, no access: all the same to the user
             offline_variables = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
             offline = any(os.environ.get(v, "0") not in ("0", "") for v in offline_variables)
@@ -158,7 +166,9 @@ def load_local_files(path: str, streaming: bool):
     builder = BUILDERS[Path(files[0]).suffix]
     try:
         return datasets.load_dataset(builder, data_files={"train": files}, streaming=streaming)
-    except Exception as e:  # a malformed line, a wrong encoding: name the file type and the first cause
+    except (
+        Exception
+    ) as e:  # a malformed line, a wrong encoding: name the file type and the first cause
         cause = e.__cause__ or e
         raise ConfigError(
             f"dataset '{path}' cannot be read as {builder} files: {first_line(cause)}"
@@ -205,7 +215,9 @@ def write_python_stdlib_corpus(folder: Path = DATA_DIR / "python_stdlib") -> Pat
         return target
     folder.mkdir(parents=True, exist_ok=True)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    tmp = folder / f".stdlib.jsonl.{os.getpid()}.tmp"  # several local ranks may race here: rename is atomic
+    tmp = (
+        folder / f".stdlib.jsonl.{os.getpid()}.tmp"
+    )  # several local ranks may race here: rename is atomic
     with open(tmp, "w") as out:
         for path in sorted(stdlib.glob("*.py")):
             text = path.read_text(encoding="utf-8", errors="replace")

@@ -1,11 +1,13 @@
-"""The vocabulary of one-line failures. A job ends on one of these with `error: <message>` and the class's exit
-code (job.run_or_exit), never with a traceback: a traceback means a bug in the code, not in the input."""
+"""The vocabulary of one-line failures. A job ends on one of these with `error: <message>` and the
+class's exit code (job.run_or_exit), never with a traceback: a traceback means a bug in the code,
+not in the input."""
 
 from __future__ import annotations
 
 
 class ConfigError(ValueError):
-    """A refused input (a bad value, a run folder in use, data or a model that cannot be read): exit 2."""
+    """A refused input (a bad value, a run folder in use, data or a model that cannot be read): exit
+    2."""
 
     exit_code = 2
 

@@ -1,10 +1,9 @@
-"""The job around the loop: its run folder (a fresh runs/run_NNN unless --output_dir names one), locked by one
-job at a time (flock on <output_dir>/.lock, freed by the kernel when the holder dies; which filesystems honour
-it: README), decisions every process takes together, the signals that stop it, and how it ends: 0 finished,
-2 a refused input (config, run folder in use, checkpoint that does not fit), 75 preempted with a checkpoint
-(requeue me), 130 stopped by Ctrl-C, 1 any other failure; at most one `error: ...` line per job, and no
-process left waiting on one that failed.
-"""
+"""The job around the loop: its run folder (a fresh runs/run_NNN unless --output_dir names one),
+locked by one job at a time (flock on <output_dir>/.lock, freed by the kernel when the holder dies;
+which filesystems honour it: README), decisions every process takes together, the signals that stop
+it, and how it ends: 0 finished, 2 a refused input (config, run folder in use, checkpoint that does
+not fit), 75 preempted with a checkpoint (requeue me), 130 stopped by Ctrl-C, 1 any other failure;
+at most one `error: ...` line per job, and no process left waiting on one that failed."""
 
 from __future__ import annotations
 
@@ -29,7 +28,8 @@ from plumbing import close_process_group, collectively, is_writer
 from resume import check_sources
 from tracking import write_preempted_marker
 
-# Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the rest.
+# Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the
+# rest.
 OTHER_RANKS_ERROR_DELAY_S = 5.0
 RUNS_ROOT = Path("runs")
 RUN_NAME = re.compile(r"run_(\d+)")
@@ -37,12 +37,15 @@ _held_locks = []  # open until the process exits: closing the file would release
 
 
 def claim_run_folder(cfg, plumbing) -> TrainConfig:
-    """Settle output_dir (the same on every process) and lock it for this job. Returns the config with it."""
+    """Settle output_dir (the same on every process) and lock it for this job. Returns the config
+    with it."""
     if not cfg.output_dir:
         number = 0
         if plumbing.is_main_process:
             number = pick_run_number(newest=cfg.resume == "latest")
-        number_everywhere = plumbing.reduce(torch.tensor(float(number), device=plumbing.device), "sum")
+        number_everywhere = plumbing.reduce(
+            torch.tensor(float(number), device=plumbing.device), "sum"
+        )
         cfg = replace(cfg, output_dir=str(RUNS_ROOT / f"run_{int(number_everywhere.item()):03d}"))
     writer = is_writer(plumbing, cfg.shared_filesystem)
 
@@ -55,8 +58,11 @@ def claim_run_folder(cfg, plumbing) -> TrainConfig:
 
 
 def pick_run_number(newest: bool) -> int:
-    """The newest runs/run_NNN (to resume it), or a new one, created here so that two jobs never share it."""
-    numbers = [int(m.group(1)) for p in RUNS_ROOT.glob("run_*") if (m := RUN_NAME.fullmatch(p.name))]
+    """The newest runs/run_NNN (to resume it), or a new one, created here so that two jobs never
+    share it."""
+    numbers = [
+        int(m.group(1)) for p in RUNS_ROOT.glob("run_*") if (m := RUN_NAME.fullmatch(p.name))
+    ]
     if newest and numbers:
         return max(numbers)
     number = max(numbers, default=0) + 1
@@ -87,7 +93,8 @@ def held_run_folder() -> str:
 
 
 def lock_run_folder(output_dir: str) -> None:
-    """Take <output_dir>/.lock for as long as this process lives, or raise ConfigError naming the holder."""
+    """Take <output_dir>/.lock for as long as this process lives, or raise ConfigError naming the
+    holder."""
     path = Path(output_dir) / ".lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = open(path, "a+")
@@ -97,10 +104,14 @@ def lock_run_folder(output_dir: str) -> None:
         lock.seek(0)
         holder = lock.read().strip() or "a process that has not written its name yet"
         lock.close()
-        raise ConfigError(f"output_dir '{output_dir}' is in use by another job ({holder}); wait for it to end, "
-                          f"or choose another output_dir") from None
+        raise ConfigError(
+            f"output_dir '{output_dir}' is in use by another job ({holder}); wait for it to end, "
+            f"or choose another output_dir"
+        ) from None
     lock.truncate(0)
-    lock.write(f"host {os.uname().nodename}, pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.write(
+        f"host {os.uname().nodename}, pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+    )
     lock.flush()
     _held_locks.append(lock)
 
@@ -113,10 +124,13 @@ class Preempted(BaseException):  # not an Exception: nothing may catch it on the
 
 
 class StopSignals:
-    """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal), Ctrl-C: checkpoint and stop. During start-up, stop at
-    once (Preempted); in the loop the ranks vote at logging steps and all stop at the same step. 2nd Ctrl-C: now."""
+    """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal), Ctrl-C: checkpoint and stop. During
+    start-up, stop at once (Preempted); in the loop the ranks vote at logging steps and all stop at
+    the same step. 2nd Ctrl-C: now."""
 
-    PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
+    PREEMPTED_EXIT_CODE = (
+        75  # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
+    )
     INTERRUPTED_EXIT_CODE = 130  # Ctrl-C: stopped with a checkpoint, but nobody asked for a requeue
 
     def __init__(self):
@@ -139,7 +153,9 @@ class StopSignals:
 
     @property
     def exit_code(self) -> int:
-        return self.INTERRUPTED_EXIT_CODE if self.signal_name == "SIGINT" else self.PREEMPTED_EXIT_CODE
+        return (
+            self.INTERRUPTED_EXIT_CODE if self.signal_name == "SIGINT" else self.PREEMPTED_EXIT_CODE
+        )
 
 
 stop_signals = StopSignals()
@@ -149,7 +165,8 @@ stop_signals = StopSignals()
 
 
 def load_config_or_exit(argv) -> TrainConfig:
-    """The checked config, or `error: ...` and exit 2: before any process group, port or folder exists."""
+    """The checked config, or `error: ...` and exit 2: before any process group, port or folder
+    exists."""
     try:
         return load_checked_config(argv)
     except ConfigError as e:
@@ -161,13 +178,17 @@ def load_checked_config(argv) -> TrainConfig:
     cfg = load_config(argv)
     check_sources(cfg)  # --resume, --init_from
     check_dataset_name(cfg.dataset)
-    check_model_and_tokenizer(cfg)  # a Hugging Face model and tokenizer: their small config files only
+    check_model_and_tokenizer(
+        cfg
+    )  # a Hugging Face model and tokenizer: their small config files only
     return cfg
 
 
 def run_or_exit(train_fn, cfg, make_plumbing) -> None:
-    """Run a training job and turn every way it ends into an exit code (module docstring) and at most one line."""
-    stop_signals.install()  # before anything slow starts: a signal during start-up is a clean stop too
+    """Run a training job and turn every way it ends into an exit code (module docstring) and at
+    most one line."""
+    # before anything slow starts: a signal during start-up is a clean stop too
+    stop_signals.install()
     plumbing = None
     try:
         plumbing = make_plumbing(cfg)
@@ -176,10 +197,18 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
         code = stopped_before_training(cfg, plumbing)
     except KeyboardInterrupt:  # the second Ctrl-C: stop now, without a checkpoint
         code = StopSignals.INTERRUPTED_EXIT_CODE
-    except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem, on any write
+    except (
+        ConfigError,
+        RunError,
+        OSError,
+    ) as e:  # OSError: a full disk or a permission problem, on any write
         exit_with_error(e)
     except RuntimeError as e:
-        if not isinstance(e, dist.DistError) and "gloo" not in str(e).lower() and "nccl" not in str(e).lower():
+        if (
+            not isinstance(e, dist.DistError)
+            and "gloo" not in str(e).lower()
+            and "nccl" not in str(e).lower()
+        ):
             raise  # a bug: its traceback is the useful output
         # a peer process died or hung; that process (or the launcher's summary) says why
         exit_with_error(RunError(f"lost contact with another process ({first_line(e)})"))
@@ -189,7 +218,8 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
 
 
 def stopped_before_training(cfg, plumbing) -> int:
-    """A signal during start-up: nothing new to save. Leave the requeue marker if the run folder is ours."""
+    """A signal during start-up: nothing new to save. Leave the requeue marker if the run folder is
+    ours."""
     rank0 = plumbing.is_main_process if plumbing is not None else os.environ.get("RANK", "0") == "0"
     output_dir = cfg.output_dir or held_run_folder()  # the folder claimed on the way, if any
     preempted = stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE
@@ -198,24 +228,36 @@ def stopped_before_training(cfg, plumbing) -> int:
         if newest is None:
             write_preempted_marker(output_dir, 0, stop_signals.signal_name, None)
         else:
-            write_preempted_marker(output_dir, step_of(newest), stop_signals.signal_name, str(newest))
-    print(f"stopped during start-up on {stop_signals.signal_name}: nothing trained yet; "  # noqa: T201
-          f"start again with --resume latest", file=sys.stderr)
+            write_preempted_marker(
+                output_dir, step_of(newest), stop_signals.signal_name, str(newest)
+            )
+    said = f"stopped during start-up on {stop_signals.signal_name}: nothing trained yet; "
+    said += "start again with --resume latest"
+    print(said, file=sys.stderr)  # noqa: T201 - the job's one line
     return stop_signals.exit_code
 
 
 def exit_with_error(error: Exception) -> None:
-    """Print `error: ...` and exit with the error's code, once per job rather than once per rank: rank 0 speaks at
-    once and the others wait first. If rank 0 failed too, the launcher kills them before they repeat it; an error
-    that is theirs alone (a file missing on one node) still shows."""
+    """Print `error: ...` and exit with the error's code, once per job rather than once per rank:
+    rank 0 speaks at once and the others wait first. If rank 0 failed too, the launcher kills them
+    before they repeat it; an error that is theirs alone (a file missing on one node) still
+    shows."""
     if os.environ.get("RANK", "0") != "0":
-        if stop_signals.signal_name == "SIGTERM":  # the launcher is already stopping the job for another rank
+        if (
+            stop_signals.signal_name == "SIGTERM"
+        ):  # the launcher is already stopping the job for another rank
             sys.exit(getattr(error, "exit_code", 1))
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's kill is not a preemption here
+        signal.signal(
+            signal.SIGTERM, signal.SIG_DFL
+        )  # the launcher's kill is not a preemption here
         time.sleep(OTHER_RANKS_ERROR_DELAY_S)
-    print(f"error: {error}", file=sys.stderr)  # noqa: T201 - our messages, and OSError's, are one line
-    # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root Cause": our line
+    # noqa: T201 - our messages, and OSError's, are one line
+    print(f"error: {error}", file=sys.stderr)  # noqa: T201 - the job's one line
+    # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root Cause":
+    # our line
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         extra = {"py_callstack": f"error: {error}", "timestamp": str(int(time.time()))}
-        Path(path).write_text(json.dumps({"message": {"message": f"error: {error}", "extraInfo": extra}}))
+        Path(path).write_text(
+            json.dumps({"message": {"message": f"error: {error}", "extraInfo": extra}})
+        )
     sys.exit(getattr(error, "exit_code", 1))

@@ -25,16 +25,19 @@ from torch.utils.checkpoint import checkpoint
 from errors import ConfigError, first_line
 
 BYTE_VOCAB_SIZE = 256  # the "bytes" tokenizer: every UTF-8 byte is a token, nothing to download
-LOCAL_MODEL = "gpt"  # --model's value for model.py's build_model (anything else is a Hugging Face model)
+LOCAL_MODEL = (
+    "gpt"  # --model's value for model.py's build_model (anything else is a Hugging Face model)
+)
 
 
 # ---------------------------------------------------------------- the loss and the evaluation columns
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean next-token loss, (batch,). Position t predicts labels[t + 1]; -100 is ignored."""
-    # the targets move left, not the logits: the last position gets an ignored target, and the logits are not
-    # copied (a sliced view would be, by reshape; 0.4 ms of a 100 ms CPU step)
+    """Per-sample mean next-token loss, (batch,). Position t predicts labels[t + 1]; -100 is
+    ignored."""
+    # the targets move left, not the logits: the last position gets an ignored target, and the
+    # logits are not copied (a sliced view would be, by reshape; 0.4 ms of a 100 ms CPU step)
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     flat_logits = logits.float().flatten(0, 1)
     per_token = F.cross_entropy(flat_logits, targets.flatten(), ignore_index=-100, reduction="none")
@@ -45,13 +48,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def eval_columns(logits: torch.Tensor, labels: torch.Tensor, max_floats: int = 2**26) -> dict:
-    """Per-sample sums over next-token predictions, each a float64 tensor of shape (batch,), by name.
+    """Per-sample sums over next-token predictions, each a float64 tensor of shape (batch,), by
+    name.
 
     The eval loop sums every column over the whole eval set (exactly, under sharding) and reports
-    `eval_<name>` = sum of <name> / sum of `tokens` for each column but `tokens`, plus the perplexity. A new
-    metric is one more column here: e.g. `"top5": (chunk.topk(5).indices == wanted[..., None]).any(-1)`.
-    Upcasts at most `max_floats` logits to fp32 at once (256 MiB): at a 150k vocabulary, a batch's fp32 logits
-    would be gigabytes."""
+    `eval_<name>` = sum of <name> / sum of `tokens` for each column but `tokens`, plus the
+    perplexity. A new metric is one more column here: e.g. `"top5": (chunk.topk(5).indices ==
+    wanted[..., None]).any(-1)`. Upcasts at most `max_floats` logits to fp32 at once (256 MiB): at a
+    150k vocabulary, a batch's fp32 logits would be gigabytes."""
     predictions = logits[:, :-1]  # views: nothing is copied yet
     targets = labels[:, 1:]
     columns = {"tokens": [], "loss": [], "accuracy": []}
@@ -71,19 +75,24 @@ def eval_metrics(totals: dict[str, float]) -> dict[str, float]:
     """The reported values from the eval set's column sums (eval_columns)."""
     tokens = max(totals["tokens"], 1.0)
     metrics = {f"eval_{name}": total / tokens for name, total in totals.items() if name != "tokens"}
-    metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50))  # capped: a diverged run stays finite
+    metrics["eval_perplexity"] = math.exp(
+        min(metrics["eval_loss"], 50)
+    )  # capped: a diverged run stays finite
     return metrics
 
 
 @torch.no_grad()
 def check_loss_contract(model: nn.Module, batch: dict) -> None:
-    """Training minimises the model's .loss, evaluation recomputes it per sample from .logits (exact under
-    sharding): a model whose loss differs (no next-token shift) would train on one number and report another."""
+    """Training minimises the model's .loss, evaluation recomputes it per sample from .logits (exact
+    under sharding): a model whose loss differs (no next-token shift) would train on one number and
+    report another."""
     model.eval()
     output = model(**batch)
     model.train()
     expected = causal_lm_loss(output.logits, batch["labels"]).mean()
-    if output.loss is not None and torch.allclose(output.loss.float(), expected, rtol=1e-3, atol=1e-4):
+    if output.loss is not None and torch.allclose(
+        output.loss.float(), expected, rtol=1e-3, atol=1e-4
+    ):
         return
     got = "None" if output.loss is None else f"{output.loss.item():.4f}"
     raise ConfigError(
@@ -97,7 +106,8 @@ def check_loss_contract(model: nn.Module, batch: dict) -> None:
 
 
 def transformer_blocks(model: nn.Module, needed_for: str) -> list[nn.Module]:
-    """The modules whose class `model._no_split_modules` names (Hugging Face models set it; so does GPT)."""
+    """The modules whose class `model._no_split_modules` names (Hugging Face models set it; so does
+    GPT)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:
@@ -109,13 +119,15 @@ def transformer_blocks(model: nn.Module, needed_for: str) -> list[nn.Module]:
 
 
 def checkpoint_activations(model: nn.Module) -> None:
-    """Each block keeps only its input in forward and recomputes the rest in backward (dropout masks too)."""
+    """Each block keeps only its input in forward and recomputes the rest in backward (dropout masks
+    too)."""
     for block in transformer_blocks(model, "activation_checkpointing"):
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def flops_per_token(model: nn.Module) -> float:
-    """Training FLOPs per token: the model's own estimate if it has one, else 6 x parameters (Kaplan)."""
+    """Training FLOPs per token: the model's own estimate if it has one, else 6 x parameters
+    (Kaplan)."""
     own_estimate = getattr(model, "flops_per_token", None)
     if callable(own_estimate):
         return own_estimate()
@@ -127,7 +139,8 @@ def flops_per_token(model: nn.Module) -> float:
 
 @functools.cache
 def load_tokenizer(name: str):
-    """None for "bytes" (every UTF-8 byte a token), else a Hugging Face tokenizer by hub name or local folder."""
+    """None for "bytes" (every UTF-8 byte a token), else a Hugging Face tokenizer by hub name or
+    local folder."""
     if name == "bytes":
         return None
     from transformers import AutoTokenizer  # imported only when used
@@ -137,7 +150,9 @@ def load_tokenizer(name: str):
     except Exception as e:  # offline, a wrong name or folder: all the same to the user
         raise ConfigError(f"tokenizer '{name}' could not be loaded: {first_line(e)}") from None
     if tokenizer.eos_token_id is None:
-        raise ConfigError(f"tokenizer '{name}' has no EOS token to end documents with: set its eos_token")
+        raise ConfigError(
+            f"tokenizer '{name}' has no EOS token to end documents with: set its eos_token"
+        )
     return tokenizer
 
 
@@ -157,7 +172,8 @@ def uses_hub_model(cfg) -> bool:
 
 
 def build_causal_lm(cfg, build_model) -> nn.Module:
-    """The model to train: the Hugging Face model --model names, or else `build_model(cfg)` (model.py's)."""
+    """The model to train: the Hugging Face model --model names, or else `build_model(cfg)`
+    (model.py's)."""
     if uses_hub_model(cfg):
         return hugging_face_model(cfg)
     return build_model(cfg)
@@ -165,7 +181,8 @@ def build_causal_lm(cfg, build_model) -> nn.Module:
 
 def hugging_face_model(cfg) -> nn.Module:
     """--model NAME: its pretrained weights (fine-tuning), or its architecture with fresh weights
-    (model_weights: config), in fp32: mixed precision casts for compute, the optimizer steps fp32 weights."""
+    (model_weights: config), in fp32: mixed precision casts for compute, the optimizer steps fp32
+    weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if cfg.model_weights == "pretrained":
@@ -175,16 +192,17 @@ def hugging_face_model(cfg) -> nn.Module:
 
 
 def save_tokenizer(cfg, folder) -> None:
-    """Beside an exported Hugging Face model: its tokenizer's files, so AutoTokenizer.from_pretrained(folder)
-    loads what the run trained with ("bytes" has no files)."""
+    """Beside an exported Hugging Face model: its tokenizer's files, so
+    AutoTokenizer.from_pretrained(folder) loads what the run trained with ("bytes" has no files)."""
     tokenizer = load_tokenizer(cfg.tokenizer_name)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
 
 
 def check_model_and_tokenizer(cfg) -> None:
-    """Resolve a Hugging Face model's config and tokenizer now (small files, or the local cache offline): a wrong
-    name, or a tokenizer the model cannot embed, is one line before any process group or download of weights."""
+    """Resolve a Hugging Face model's config and tokenizer now (small files, or the local cache
+    offline): a wrong name, or a tokenizer the model cannot embed, is one line before any process
+    group or download of weights."""
     if not uses_hub_model(cfg) and cfg.tokenizer_name == "bytes":
         return
     model_config = None
@@ -198,7 +216,11 @@ def check_model_and_tokenizer(cfg) -> None:
     try:
         tokens = vocab_size(cfg)
     except ConfigError as e:
-        default = "" if cfg.tokenizer else " (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)"
+        default = (
+            ""
+            if cfg.tokenizer
+            else " (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)"
+        )
         raise ConfigError(f"{e}{default}") from None
     if model_config is None:
         return
@@ -210,15 +232,18 @@ def check_model_and_tokenizer(cfg) -> None:
         )
     positions = getattr(model_config, "max_position_embeddings", None) or cfg.block_size
     if cfg.block_size > positions:
-        raise ConfigError(f"block_size must be <= the model's {positions} positions (got {cfg.block_size})")
+        raise ConfigError(
+            f"block_size must be <= the model's {positions} positions (got {cfg.block_size})"
+        )
 
 
 DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".parquet")
 
 
 def check_dataset_name(dataset: str) -> None:
-    """--dataset is a local file or folder, or a name for data.py (a hub dataset, a built-in corpus). A value
-    that looks like a path must exist: said at once, rather than after the hub client's retries (26 s offline)."""
+    """--dataset is a local file or folder, or a name for data.py (a hub dataset, a built-in
+    corpus). A value that looks like a path must exist: said at once, rather than after the hub
+    client's retries (26 s offline)."""
     if dataset == "":
         raise ConfigError("dataset must not be empty (got '')")
     if os.path.exists(dataset):

@@ -54,7 +54,8 @@ from streaming import StreamBatches
 from tracking import MetricsLogger, Throughput, environment_info, new_run_id
 
 
-@record  # an unexpected exception's traceback goes into the launcher's summary, not only the worker's log
+# an unexpected exception's traceback goes into the launcher's summary, not only the worker's log
+@record
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config_or_exit(argv)  # a bad value stops here: no process group, no folder, no data
     run_or_exit(train, cfg, build_accelerator)
@@ -82,27 +83,33 @@ def build_accelerator(cfg: TrainConfig):
             "checkpoint parts this template saves)"
         )
     if fsdp and (cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16":
-        # accelerate's FSDP2 would reduce gradients in bf16 too: in fp32, as the torch path does (and torchtitan)
+        # accelerate's FSDP2 would reduce gradients in bf16 too: in fp32, as the torch path does
+        # (and torchtitan)
         fsdp_plugin = FullyShardedDataParallelPlugin(
             mixed_precision_policy=dict(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
             )
         )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        init_process_group(cfg.dist_timeout_s)  # restart-safe (plumbing.py); the Accelerator adopts it
+        # restart-safe (plumbing.py); the Accelerator adopts it
+        init_process_group(cfg.dist_timeout_s)
 
     accelerator = Accelerator(
-        # Measured: on a machine without a GPU, Accelerator() leaves every launched process believing it
-        # is rank 0 of 1 (N independent trainings writing one folder); cpu=True makes them a gloo group.
+        # Measured: on a machine without a GPU, Accelerator() leaves every launched process
+        # believing it is rank 0 of 1 (N independent trainings writing one folder); cpu=True makes
+        # them a gloo group.
         cpu=not torch.cuda.is_available(),
-        # None: the launcher's setting (ACCELERATE_MIXED_PRECISION, from the accelerate config) decides
+        # None: the launcher's setting (ACCELERATE_MIXED_PRECISION, from the accelerate config)
+        # decides
         mixed_precision=cfg.mixed_precision or None,
-        # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on the torch path
+        # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on the
+        # torch path
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.grad_accum_steps, sync_with_dataloader=False
         ),
-        # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the host on each
-        # batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with it)
+        # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the
+        # host on each batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with
+        # it)
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
         kwargs_handlers=[DistributedDataParallelKwargs(**cfg.ddp_options())],
         fsdp_plugin=fsdp_plugin,
@@ -114,14 +121,15 @@ def build_accelerator(cfg: TrainConfig):
     return accelerator
 
 
-def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
-    """THE training loop; returns the process exit code (0, or StopSignals' code after a signal). `accelerator`:
-    an accelerate.Accelerator, or torch_ddp.TorchDDP; what is used of it is plumbing.Plumbing."""
+def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the loop: test_budgets bounds it
+    """THE training loop; returns the process exit code (0, or StopSignals' code after a signal).
+    `accelerator`: an accelerate.Accelerator, or torch_ddp.TorchDDP; what is used of it is
+    plumbing.Plumbing."""
     # ---------------------------------------------------------------- setup
     seed_everything(cfg.seed)  # the same model init on every rank
     # ---------------------------------------------------------------- data
-    # one process fills the datasets cache and the others then read it: once per job, or once per node when
-    # each node has its own disk
+    # one process fills the datasets cache and the others then read it: once per job, or once per
+    # node when each node has its own disk
     if cfg.shared_filesystem:
         cache_filler_goes_first = accelerator.main_process_first
     else:
@@ -149,13 +157,14 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
     optimizer = build_optimizer(model, cfg)
-    # prepare: wraps the model in DDP (or shards it, FSDP, and points the optimizer at the shards); each loader
-    # gives this rank its share of every global batch, on the device
+    # prepare: wraps the model in DDP (or shards it, FSDP, and points the optimizer at the shards);
+    # each loader gives this rank its share of every global batch, on the device
     model, optimizer, train_loader, eval_loader = accelerator.prepare(
         model, optimizer, train_loader, eval_loader
     )
     if accelerator.scaler is None:
-        # accelerate's optimizer wrapper only steps fp16's loss scaler; without one it costs 0.3 ms a step
+        # accelerate's optimizer wrapper only steps fp16's loss scaler; without one it costs 0.3 ms
+        # a step
         optimizer = getattr(optimizer, "optimizer", optimizer)
     if cfg.streaming:
         batches = StreamBatches(train_set, cfg, accelerator)
@@ -174,7 +183,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     # a stream's position is each process's own, and only resumes at the same world size
     data_part = PerProcess(batches, bound_to_world_size=True) if cfg.streaming else batches
     parts = checkpoint_parts(accelerator, model, optimizer, train_state=state, data=data_part)
-    # a fork's own state is one more line here, e.g. parts["ema"] = ema_model: saved, restored and pruned with the rest
+    # a fork's own state is one more line here, e.g. parts["ema"] = ema_model: saved, restored and
+    # pruned with the rest
     identity = data_identity(cfg, train_set)  # what a resume must find unchanged
     cfg = resume_or_start(
         accelerator, cfg, parts, identity, log
@@ -204,9 +214,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     while state.step < cfg.max_steps:
         step_loss = torch.zeros((), device=accelerator.device)
         for _ in range(cfg.grad_accum_steps):
-            with accelerator.accumulate(
-                model
-            ):  # DDP's gradient all-reduce runs on the last micro-step only
+            # DDP's gradient all-reduce runs on the last micro-step only
+            with accelerator.accumulate(model):
                 loss = model(**next(batches)).loss
                 accelerator.backward(loss)  # divides by grad_accum_steps (and scales, for fp16)
                 step_loss += loss.detach() / cfg.grad_accum_steps
@@ -230,7 +239,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
         if (
             state.step % cfg.log_every == 0 or saving
         ):  # the loop waits for the GPU here only, so it runs ahead
-            # over micro-steps, then over ranks; checked before every save, so no broken weights are committed
+            # over micro-steps, then over ranks; checked before every save, so no broken weights are
+            # committed
             reduced = accelerator.reduce(torch.stack([step_loss, bad_grad_steps]), "mean")
             mean_loss, bad_grads = reduced.tolist()
             log.log(
@@ -270,7 +280,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
         accelerator, model, cfg.output_dir, save_extras=lambda folder: save_tokenizer(cfg, folder)
     )
     log.info(f"model: {path}")
-    log.close()  # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
+    # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
+    log.close()
     return 0
 
 
@@ -284,7 +295,8 @@ def evaluate(model, eval_loader, accelerator) -> dict:
     totals = {}
     for batch in eval_loader:
         columns = eval_columns(model(**batch).logits, batch["labels"])
-        # the sampler pads the last batches so every rank has as many; gather_for_metrics drops the copies
+        # the sampler pads the last batches so every rank has as many; gather_for_metrics drops the
+        # copies
         for name, values in accelerator.gather_for_metrics(columns).items():
             totals[name] = totals.get(name, 0.0) + values.sum()
     model.train()
@@ -299,13 +311,15 @@ def loader_options(cfg: TrainConfig) -> dict:
         "collate_fn": collate,
         "num_workers": cfg.num_workers,
         "pin_memory": torch.cuda.is_available(),
-        # a loader draws its worker seeds from `generator`, not from the global RNG that dropout uses
+        # a loader draws its worker seeds from `generator`, not from the global RNG that dropout
+        # uses
         "generator": torch.Generator().manual_seed(cfg.seed),
     }
 
 
 def first_eval_batch(eval_set, device) -> dict:
-    """Up to two eval samples as one batch, on the device: enough to check the model's loss contract."""
+    """Up to two eval samples as one batch, on the device: enough to check the model's loss
+    contract."""
     batch = collate([eval_set[i] for i in range(min(2, len(eval_set)))])
     return {key: value.to(device) for key, value in batch.items()}
 
@@ -340,7 +354,8 @@ def seed_everything(seed: int) -> None:
 
 
 def check_data_size(train_set, global_batch: int, cfg: TrainConfig) -> None:
-    """A stream has no length: a share too small for one block is said when it runs dry (streaming.py)."""
+    """A stream has no length: a share too small for one block is said when it runs dry
+    (streaming.py)."""
     if cfg.streaming or len(train_set) >= global_batch:
         return
     world_size = global_batch // cfg.batch_size // cfg.grad_accum_steps

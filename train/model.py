@@ -124,8 +124,8 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token as in PaLM (appendix B) and nanoGPT: 6N for the weight matmuls
-        (N = parameters without position embeddings; the tied embedding counts, it is the output layer),
-        plus 12 * layers * width * context for attention scores and values."""
+        (N = parameters without position embeddings; the tied embedding counts, it is the output
+        layer), plus 12 * layers * width * context for attention scores and values."""
         n_params = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
         n_layer = len(self.blocks)
         width = self.wte.weight.shape[1]

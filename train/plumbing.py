@@ -1,13 +1,13 @@
 """The plumbing contract, and what every plumbing shares.
 
-`Plumbing` is what train(), checkpoint.py, resume.py, tracking.py and job.py ask of the object that knows about
-processes and devices. `accelerate.Accelerator` satisfies it as it is; `torch_ddp.TorchDDP` implements it with
-plain torch.distributed. Nothing else of either is used (tests/test_plumbing.py checks both directions), so a
-new plumbing implements exactly these members.
+`Plumbing` is what train(), checkpoint.py, resume.py, tracking.py and job.py ask of the object that
+knows about processes and devices. `accelerate.Accelerator` satisfies it as it is;
+`torch_ddp.TorchDDP` implements it with plain torch.distributed. Nothing else of either is used
+(tests/test_plumbing.py checks both directions), so a new plumbing implements exactly these members.
 
-Below it, the helpers both plumbings stand on: starting and closing the process group, a decision every process
-takes together (`collectively`), and who writes the run folder's shared files (`is_writer`).
-"""
+Below it, the helpers both plumbings stand on: starting and closing the process group, a decision
+every process takes together (`collectively`), and who writes the run folder's shared files
+(`is_writer`)."""
 
 from __future__ import annotations
 
@@ -30,18 +30,21 @@ class Plumbing(Protocol):
     process_index: int  # global rank
     is_main_process: bool  # global rank 0: writes the run's files, logs to trackers
     is_local_main_process: bool  # local rank 0: the progress bar, per-node files
-    mixed_precision: str  # "no" | "bf16" | "fp16", as resolved (the launcher's setting or the config's)
+    mixed_precision: (
+        str  # "no" | "bf16" | "fp16", as resolved (the launcher's setting or the config's)
+    )
     sync_gradients: bool  # inside accumulate(): whether this micro-step ends an optimizer step
     scaler: torch.amp.GradScaler | None  # fp16's loss scaler (then a checkpoint part)
     trackers: list  # the started trackers (tracking.py finishes them)
 
     def prepare(self, *objects: Any) -> Any:
-        """Modules: to the device, wrapped (DDP) or sharded (FSDP). DataLoaders: on the device, this rank's
-        share of every global batch (whole per-rank batches in rank order). Anything else as it is. One object
-        in, one out; several, a tuple."""
+        """Modules: to the device, wrapped (DDP) or sharded (FSDP). DataLoaders: on the device, this
+        rank's share of every global batch (whole per-rank batches in rank order). Anything else as
+        it is. One object in, one out; several, a tuple."""
 
     def accumulate(self, model: torch.nn.Module) -> AbstractContextManager:
-        """Around each micro-step: sets sync_gradients, and skips the gradient all-reduce until the last one."""
+        """Around each micro-step: sets sync_gradients, and skips the gradient all-reduce until the
+        last one."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of loss / grad_accum_steps (scaled, under fp16)."""
@@ -50,16 +53,17 @@ class Plumbing(Protocol):
         """Clips the (unscaled) gradients; returns their total norm before clipping."""
 
     def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
-        """All-reduce, "sum" or "mean" (always say which: Accelerate's default differs). Every process must
-        call it."""
+        """All-reduce, "sum" or "mean" (always say which: Accelerate's default differs). Every
+        process must call it."""
 
     def gather_for_metrics(self, data: Any) -> Any:
-        """Tensors (in dicts, tuples, lists) of every process concatenated in rank order; in an eval loader's
-        last batch, without the samples it repeated to give every process a full batch. No state across
-        calls."""
+        """Tensors (in dicts, tuples, lists) of every process concatenated in rank order; in an eval
+        loader's last batch, without the samples it repeated to give every process a full batch. No
+        state across calls."""
 
     def main_process_first(self) -> AbstractContextManager:
-        """The body runs on the main process before the others, e.g. to fill a cache they then read."""
+        """The body runs on the main process before the others, e.g. to fill a cache they then
+        read."""
 
     def local_main_process_first(self) -> AbstractContextManager:
         """The same, once per node."""
@@ -81,15 +85,19 @@ class Plumbing(Protocol):
 
 
 def init_process_group(timeout_s: int) -> None:
-    """torch.distributed's env:// start (NCCL on GPUs, gloo on CPUs), with the store's keys under a prefix per
-    elastic restart: under --max_restarts every attempt shares one store, and a restarted worker could read the
-    dead attempt's peer addresses (gloo connectFullMesh "Connection refused", seen here under load). Accelerate
-    adopts a process group that already exists."""
+    """torch.distributed's env:// start (NCCL on GPUs, gloo on CPUs), with the store's keys under a
+    prefix per elastic restart: under --max_restarts every attempt shares one store, and a restarted
+    worker could read the dead attempt's peer addresses (gloo connectFullMesh "Connection refused",
+    seen here under load). Accelerate adopts a process group that already exists."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before NCCL: one GPU per process
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it
+        torch.cuda.set_device(
+            int(os.environ.get("LOCAL_RANK", "0"))
+        )  # before NCCL: one GPU per process
+    agent_hosts_store = (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    )  # else rank 0 hosts it
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -108,17 +116,19 @@ def init_process_group(timeout_s: int) -> None:
 
 
 def close_process_group() -> None:
-    """Destroy the process group once gloo's worker threads are idle. A worker that has just run a collective
-    frees its tensors under the group's lock, and needs the GIL for that; the group's destructor takes that lock
-    holding the GIL. Destroyed right after a collective, a process can hang at exit (seen here: a rank stuck for
-    good in ~ProcessGroupGloo, its peer long gone). So: release the GIL a moment first, then destroy."""
+    """Destroy the process group once gloo's worker threads are idle. A worker that has just run a
+    collective frees its tensors under the group's lock, and needs the GIL for that; the group's
+    destructor takes that lock holding the GIL. Destroyed right after a collective, a process can
+    hang at exit (seen here: a rank stuck for good in ~ProcessGroupGloo, its peer long gone). So:
+    release the GIL a moment first, then destroy."""
     if dist.is_initialized():
         time.sleep(0.05)
         dist.destroy_process_group()
 
 
 def check_world_size(num_processes: int) -> None:
-    """The launcher's world size is the one the plumbing sees (else each process would train alone)."""
+    """The launcher's world size is the one the plumbing sees (else each process would train
+    alone)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != num_processes:
         raise ConfigError(
@@ -131,8 +141,9 @@ def check_world_size(num_processes: int) -> None:
 
 
 def collectively(plumbing, action: str, fn, error_type=RunError, on_failure=None):
-    """Run fn on every process; if it raised on any of them, every process raises error_type. (A process that
-    raised alone would leave the others waiting in their next collective until a timeout.)"""
+    """Run fn on every process; if it raised on any of them, every process raises error_type. (A
+    process that raised alone would leave the others waiting in their next collective until a
+    timeout.)"""
     error = None
     result = None
     try:
@@ -153,8 +164,8 @@ def collectively(plumbing, action: str, fn, error_type=RunError, on_failure=None
 
 
 def is_writer(plumbing, shared_filesystem: bool) -> bool:
-    """Whether this process writes the run folder's shared files: once per job, or once per node when each
-    node has its own disk."""
+    """Whether this process writes the run folder's shared files: once per job, or once per node
+    when each node has its own disk."""
     if shared_filesystem:
         return plumbing.is_main_process
     return plumbing.is_local_main_process

@@ -1,7 +1,7 @@
-"""Resume: the policy. Which checkpoint (the newest intact one, or the one named), what must match this run
-(global batch, block size, data, parts, world size where a part is bound to it), the refusals, and starting
-a new run from --init_from's weights. Reading and writing the files is checkpoint.py's.
-"""
+"""Resume: the policy. Which checkpoint (the newest intact one, or the one named), what must match
+this run (global batch, block size, data, parts, world size where a part is bound to it), the
+refusals, and starting a new run from --init_from's weights. Reading and writing the files is
+checkpoint.py's."""
 
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ def check_sources(cfg) -> None:
 
 
 def resume_or_start(plumbing, cfg, parts: dict, identity: dict, log):
-    """Restore every part from the checkpoint --resume names (or the newest intact one), or start at step 0
-    (from --init_from's weights if given). Collective; any refusal is an error on every process. Returns the
-    run's config as settled by the resume (the LR horizon a resumed run keeps)."""
+    """Restore every part from the checkpoint --resume names (or the newest intact one), or start at
+    step 0 (from --init_from's weights if given). Collective; any refusal is an error on every
+    process. Returns the run's config as settled by the resume (the LR horizon a resumed run
+    keeps)."""
     start(plumbing, cfg, parts, identity, log)
     state = parts["train_state"]
     state.lr_decay_steps = lr_horizon(cfg, state.lr_decay_steps, log)
@@ -61,7 +62,10 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
             f"run, or choose another output_dir"
         )
     folder = collectively(
-        plumbing, "choosing the checkpoint", lambda: checkpoint_to_resume(cfg, log.warn), CheckpointError
+        plumbing,
+        "choosing the checkpoint",
+        lambda: checkpoint_to_resume(cfg, log.warn),
+        CheckpointError,
     )
     if folder is not None:
         note = collectively(
@@ -78,13 +82,16 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
         log.info(f"resume: no intact checkpoint in {cfg.output_dir} yet, starting fresh")
     if cfg.init_from:
         module = as_part(parts["model"]).module  # Weights or Sharded
-        source = collectively(plumbing, "init_from", lambda: init_weights(module, cfg.init_from), CheckpointError)
+        source = collectively(
+            plumbing, "init_from", lambda: init_weights(module, cfg.init_from), CheckpointError
+        )
         log.info(f"init_from: weights of {source}, starting at step 0 with a fresh optimizer")
 
 
 def lr_horizon(cfg, saved_horizon: int, log) -> int:
-    """The LR schedule's horizon is set at a run's first start and kept by every resume, so that raising
-    max_steps extends a run at min_lr instead of silently re-stretching the cosine; lr_decay_steps changes it."""
+    """The LR schedule's horizon is set at a run's first start and kept by every resume, so that
+    raising max_steps extends a run at min_lr instead of silently re-stretching the cosine;
+    lr_decay_steps changes it."""
     if cfg.lr_decay_steps or not saved_horizon:
         return cfg.decay_steps
     if cfg.max_steps != saved_horizon:
@@ -115,8 +122,8 @@ def checkpoint_to_resume(cfg, warn) -> Path | None:
 
 
 def resume_from(plumbing, cfg, folder: Path, parts: dict, identity: dict) -> str:
-    """Check everything that must match, then restore every part. Returns a note for the log: what changed
-    (another world size with the same global batch)."""
+    """Check everything that must match, then restore every part. Returns a note for the log: what
+    changed (another world size with the same global batch)."""
     folder = Path(folder)
     about = read_manifest(folder)
     if "parts" not in about:
@@ -126,6 +133,35 @@ def resume_from(plumbing, cfg, folder: Path, parts: dict, identity: dict) -> str
         )
     saved = about["run"]
     now = run_geometry(plumbing, cfg)
+    check_same_run(folder, about, now, cfg, identity)
+    missing = [name for name in parts if name not in about["parts"]]
+    if missing:
+        raise CheckpointError(
+            f"{folder} has no part {', '.join(missing)} (it holds {', '.join(about['parts'])}): start a new "
+            f"run with --init_from"
+        )
+    same_world = saved["world_size"] == plumbing.num_processes
+    bound = [name for name, part in parts.items() if as_part(part).bound_to_world_size]
+    if not same_world and bound:
+        raise CheckpointError(
+            f"{folder} was saved by {saved['world_size']} processes, each with its own {', '.join(bound)} "
+            f"position (a stream's): resume it with {saved['world_size']} processes, or start a new run from "
+            f"its weights with --init_from"
+        )
+    load_checkpoint(plumbing, folder, parts, same_world)
+    if same_world:
+        return ""
+    keys = ("world_size", "batch_size", "grad_accum_steps")
+    changes = ", ".join(
+        f"{key} {saved[key]} -> {now[key]}" for key in keys if saved[key] != now[key]
+    )
+    return f"; {changes}: the same global batch and samples in every step, a fresh per-process random state"
+
+
+def check_same_run(folder: Path, about: dict, now: dict, cfg, identity: dict) -> None:
+    """Refuse a checkpoint whose global batch, block size or data differ from this run's, or that is past
+    max_steps: the data position would not continue exactly."""
+    saved = about["run"]
     if any(saved[key] != now[key] for key in ("global_batch", "block_size")):
         raise CheckpointError(
             f"{folder} was saved with global batch {saved['global_batch']} (world size x batch_size x "
@@ -148,31 +184,11 @@ def resume_from(plumbing, cfg, folder: Path, parts: dict, identity: dict) -> str
             f"{folder} was saved for other data ({', '.join(changed)}): resuming would continue a different "
             f"data order; to change them on purpose, start a new run with --init_from {folder}"
         )
-    missing = [name for name in parts if name not in about["parts"]]
-    if missing:
-        raise CheckpointError(
-            f"{folder} has no part {', '.join(missing)} (it holds {', '.join(about['parts'])}): start a new "
-            f"run with --init_from"
-        )
-    same_world = saved["world_size"] == plumbing.num_processes
-    bound = [name for name, part in parts.items() if as_part(part).bound_to_world_size]
-    if not same_world and bound:
-        raise CheckpointError(
-            f"{folder} was saved by {saved['world_size']} processes, each with its own {', '.join(bound)} "
-            f"position (a stream's): resume it with {saved['world_size']} processes, or start a new run from "
-            f"its weights with --init_from"
-        )
-    load_checkpoint(plumbing, folder, parts, same_world)
-    if same_world:
-        return ""
-    keys = ("world_size", "batch_size", "grad_accum_steps")
-    changes = ", ".join(f"{key} {saved[key]} -> {now[key]}" for key in keys if saved[key] != now[key])
-    return f"; {changes}: the same global batch and samples in every step, a fresh per-process random state"
 
 
 def init_weights(module, source: str) -> Path:
-    """Load only the weights of a checkpoint folder, a run folder (its export, else its newest checkpoint)
-    or a .safetensors file; the shapes are checked first."""
+    """Load only the weights of a checkpoint folder, a run folder (its export, else its newest
+    checkpoint) or a .safetensors file; the shapes are checked first."""
     path = Path(source)
     if path.is_dir():
         newest = latest_checkpoint(source)
@@ -185,7 +201,8 @@ def init_weights(module, source: str) -> Path:
 
 
 def check_same_step_everywhere(plumbing, step: int) -> None:
-    """Each node may pick its own newest checkpoint (node-local disks); all agree iff mean(step²) == mean(step)²."""
+    """Each node may pick its own newest checkpoint (node-local disks); all agree iff mean(step²) ==
+    mean(step)²."""
     values = torch.tensor([step, step * step], dtype=torch.float64, device=plumbing.device)
     mean, mean_square = plumbing.reduce(values, "mean").tolist()
     if mean_square != mean * mean:
@@ -193,4 +210,3 @@ def check_same_step_everywhere(plumbing, step: int) -> None:
             f"processes resumed from different steps (this one: {step}); a node is missing its newest "
             f"checkpoint: pass --resume with the same checkpoint folder on every node"
         )
-

@@ -1,17 +1,18 @@
 """Streaming (`--streaming true`): a corpus read as a stream, for text bigger than memory or disk.
 
-Each process reads its own share of the documents (datasets' `split_dataset_by_node`: whole files when their
-number divides by the world size, else every world_size-th document), so no document is trained on twice in an
-epoch and none is left out. It packs them as it reads, `DOCUMENTS_PER_READ` at a time, with data.py's packer
-(the one the map-style path and the eval set use), and draws blocks at random from a buffer of
-`shuffle_buffer` blocks whose generator is seeded by (seed, epoch, rank). At the end of its share a process
-starts its next epoch alone: the stream never ends, so no process waits at an epoch boundary for the others.
+Each process reads its own share of the documents (datasets' `split_dataset_by_node`: whole files
+when their number divides by the world size, else every world_size-th document), so no document is
+trained on twice in an epoch and none is left out. It packs them as it reads, `DOCUMENTS_PER_READ`
+at a time, with data.py's packer (the one the map-style path and the eval set use), and draws blocks
+at random from a buffer of `shuffle_buffer` blocks whose generator is seeded by (seed, epoch, rank).
+At the end of its share a process starts its next epoch alone: the stream never ends, so no process
+waits at an epoch boundary for the others.
 
-There is no index to skip by, so the position is the stream's whole state, saved by every process in every
-checkpoint: the source's position (datasets' `IterableDataset.state_dict()`), the buffer and its generator. A
-resume continues with exactly the blocks the uninterrupted run would have drawn (its buffer is restored, not
-refilled as datasets' own shuffle does); each process owns a share, so it needs the same world size.
-"""
+There is no index to skip by, so the position is the stream's whole state, saved by every process in
+every checkpoint: the source's position (datasets' `IterableDataset.state_dict()`), the buffer and
+its generator. A resume continues with exactly the blocks the uninterrupted run would have drawn
+(its buffer is restored, not refilled as datasets' own shuffle does); each process owns a share, so
+it needs the same world size."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ DOCUMENTS_PER_READ = 64  # documents packed together (a fast tokenizer's batch c
 
 
 class StreamBatches:
-    """This process's endless stream of training micro-batches (next(batches)), and a checkpoint part written by
-    every process. Each block drawn has a sample id, (epoch, blocks packed before it by this process)."""
+    """This process's endless stream of training micro-batches (next(batches)), and a checkpoint
+    part written by every process. Each block drawn has a sample id, (epoch, blocks packed before it
+    by this process)."""
 
     def __init__(self, documents, cfg, plumbing):
         from datasets.distributed import split_dataset_by_node
@@ -51,12 +53,15 @@ class StreamBatches:
         return self._epoch
 
     def __next__(self) -> dict:
-        samples = [{"input_ids": torch.from_numpy(self.next_block()[1])} for _ in range(self.batch_size)]
+        samples = [
+            {"input_ids": torch.from_numpy(self.next_block()[1])} for _ in range(self.batch_size)
+        ]
         batch = data.collate(samples)
         return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
 
     def next_block(self) -> tuple[tuple[int, int], np.ndarray]:
-        """(sample id, block): a random block of the buffer, the buffer topped up from the source first."""
+        """(sample id, block): a random block of the buffer, the buffer topped up from the source
+        first."""
         while True:
             if not self._source_done and len(self._buffer) < self.buffer_size:
                 self._read()
@@ -93,7 +98,9 @@ class StreamBatches:
                 break
         else:
             self._source_done = True
-        self._source_state = copy.deepcopy(self.documents.state_dict())  # just after the last row read
+        self._source_state = copy.deepcopy(
+            self.documents.state_dict()
+        )  # just after the last row read
         if not rows:
             return
         columns = {key: [row[key] for row in rows] for key in rows[0]}

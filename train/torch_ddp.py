@@ -1,4 +1,5 @@
-"""The same training run without Accelerate: TorchDDP implements the plumbing contract (plumbing.py) by hand.
+"""The same training run without Accelerate: TorchDDP implements the plumbing contract (plumbing.py)
+by hand.
 
     python train/torch_ddp.py --config train/configs/tiny.yaml                    # one plain process
     torchrun --standalone --nproc_per_node 2 train/torch_ddp.py --config train/configs/tiny.yaml
@@ -7,10 +8,10 @@
     python train/torch_ddp.py --spawn 2 ...          # mp.spawn, for people who launch from Python
     torchrun ... train/torch_ddp.py --fsdp full      # FSDP2 (--fsdp hybrid: HSDP, sharded per node)
 
-It runs `train()` from main.py (one loop, two plumbings) with the same config, data, model, optimizer, schedule,
-checkpoints and metrics.jsonl, and splits each global batch across ranks as Accelerate does: with one config the
-two paths log bitwise-identical losses and end with identical weights (tests/e2e/test_torch_ddp.py).
-"""
+It runs `train()` from main.py (one loop, two plumbings) with the same config, data, model,
+optimizer, schedule, checkpoints and metrics.jsonl, and splits each global batch across ranks as
+Accelerate does: with one config the two paths log bitwise-identical losses and end with identical
+weights (tests/e2e/test_torch_ddp.py). """
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from plumbing import check_world_size, init_process_group
 
 
 class TorchDDP:
-    """Process group, device, DDP, sharded loaders, accumulation, collectives: Accelerator's job, by hand."""
+    """Process group, device, DDP, sharded loaders, accumulation, collectives: Accelerator's job, by
+    hand."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -43,21 +45,43 @@ class TorchDDP:
         self.process_index = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.is_main_process, self.is_local_main_process = self.process_index == 0, local_rank == 0
-        self.device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        self.distributed = self.num_processes > 1 or (cfg.fsdp != "no" and "MASTER_ADDR" in os.environ)
+        self.device = (
+            torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        self.distributed = self.num_processes > 1 or (
+            cfg.fsdp != "no" and "MASTER_ADDR" in os.environ
+        )
         if self.distributed:
             init_process_group(cfg.dist_timeout_s)
             check_world_size(dist.get_world_size())
-        self.mixed_precision = cfg.mixed_precision or "no"  # torchrun has no precision setting of its own
-        self.scaler = None  # fp16, the one precision that needs a loss scaler, is refused on this path (main)
+        self.mixed_precision = (
+            cfg.mixed_precision or "no"
+        )  # torchrun has no precision setting of its own
+        self.scaler = (
+            None  # fp16, the one precision that needs a loss scaler, is refused on this path (main)
+        )
         self.sync_gradients, self.trackers, self._micro_step = True, [], 0
-        self._real_samples = None  # while a loader yields an eval set's padded last batch: its real samples
+        self._real_samples = (
+            None  # while a loader yields an eval set's padded last batch: its real samples
+        )
 
     def prepare(self, *objects):
-        names = {id(p): n for obj in objects if isinstance(obj, torch.nn.Module) for n, p in obj.named_parameters()}
+        names = {
+            id(p): n
+            for obj in objects
+            if isinstance(obj, torch.nn.Module)
+            for n, p in obj.named_parameters()
+        }
         prepared = tuple(self._prepare(obj) for obj in objects)
-        if self.cfg.fsdp != "no":  # fully_shard replaced each parameter by a sharded one: the optimizer must step those
-            sharded = {n: p for obj in prepared if isinstance(obj, torch.nn.Module) for n, p in obj.named_parameters()}
+        if (
+            self.cfg.fsdp != "no"
+        ):  # fully_shard replaced each parameter by a sharded one: the optimizer must step those
+            sharded = {
+                n: p
+                for obj in prepared
+                if isinstance(obj, torch.nn.Module)
+                for n, p in obj.named_parameters()
+            }
             for optimizer in (obj for obj in prepared if isinstance(obj, torch.optim.Optimizer)):
                 for group in optimizer.param_groups:
                     group["params"] = [sharded[names[id(p)]] for p in group["params"]]
@@ -74,34 +98,51 @@ class TorchDDP:
         if self.mixed_precision == "bf16":
             model = Autocast(model, self.device.type)
         if self.distributed:  # broadcasts rank 0's weights, then all-reduces gradients in backward
-            model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                        **self.cfg.ddp_options())
+            model = DDP(
+                model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                **self.cfg.ddp_options(),
+            )
         return model
 
     def _shard(self, model):
-        """FSDP2: every transformer block, then the root, sharded over a 1-D mesh (full) or, for hybrid, over the
-        processes of a node and replicated across nodes (a 2-D mesh). bf16: bf16 compute, fp32 gradient reduction."""
+        """FSDP2: every transformer block, then the root, sharded over a 1-D mesh (full) or, for
+        hybrid, over the processes of a node and replicated across nodes (a 2-D mesh). bf16: bf16
+        compute, fp32 gradient reduction."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not self.distributed:
-            raise ConfigError("fsdp needs a process group: launch with torchrun --nproc_per_node N (N >= 1)")
+            raise ConfigError(
+                "fsdp needs a process group: launch with torchrun --nproc_per_node N (N >= 1)"
+            )
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
-        shape, names = (((self.num_processes // per_node, per_node), ("replicate", "shard"))
-                        if self.cfg.fsdp == "hybrid" else ((self.num_processes,), ("shard",)))
+        shape, names = (
+            ((self.num_processes // per_node, per_node), ("replicate", "shard"))
+            if self.cfg.fsdp == "hybrid"
+            else ((self.num_processes,), ("shard",))
+        )
         mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.mixed_precision == "bf16" else MixedPrecisionPolicy()
-        for block in transformer_blocks(model, "fsdp"):  # one all-gather per block in forward and in backward
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.mixed_precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
+        for block in transformer_blocks(
+            model, "fsdp"
+        ):  # one all-gather per block in forward and in backward
             fully_shard(block, mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
 
     @contextmanager
     def accumulate(self, model):
-        """No gradient all-reduce (or reduce-scatter) but on the last micro-step: one per optimizer step."""
+        """No gradient all-reduce (or reduce-scatter) but on the last micro-step: one per optimizer
+        step."""
         self._micro_step += 1
         self.sync_gradients = self._micro_step % self.cfg.grad_accum_steps == 0
-        if self.cfg.fsdp != "no":  # FSDP2 has no no_sync(): it is told whether to reduce-scatter the gradients
+        if (
+            self.cfg.fsdp != "no"
+        ):  # FSDP2 has no no_sync(): it is told whether to reduce-scatter the gradients
             model.set_requires_gradient_sync(self.sync_gradients)
             yield
         else:
@@ -109,10 +150,14 @@ class TorchDDP:
                 yield
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.cfg.grad_accum_steps).backward()  # the step's gradient is the micro-steps' mean
+        (
+            loss / self.cfg.grad_accum_steps
+        ).backward()  # the step's gradient is the micro-steps' mean
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # FSDP: a DTensor, as accelerate returns it
+        return torch.nn.utils.clip_grad_norm_(
+            parameters, max_norm
+        )  # FSDP: a DTensor, as accelerate returns it
 
     def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
         if not self.distributed:
@@ -129,11 +174,12 @@ class TorchDDP:
             parts = [torch.empty_like(tensor) for _ in range(self.num_processes)]
             dist.all_gather(parts, tensor.contiguous())
             tensor = torch.cat(parts)  # rank order is sample order (ShardedLoader)
-        return tensor if self._real_samples is None else tensor[:self._real_samples]
+        return tensor if self._real_samples is None else tensor[: self._real_samples]
 
     @contextmanager
     def main_process_first(self, first: bool | None = None):
-        """The body runs on `first` (default: rank 0) before every other process, e.g. to fill a cache."""
+        """The body runs on `first` (default: rank 0) before every other process, e.g. to fill a
+        cache."""
         first = self.is_main_process if first is None else first
         if not first:
             self.wait_for_everyone()
@@ -155,7 +201,9 @@ class TorchDDP:
             module = module.module
         return module
 
-    def init_trackers(self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None) -> None:
+    def init_trackers(
+        self, project_name: str, config: dict | None = None, init_kwargs: dict | None = None
+    ) -> None:
         """Accelerate's own tracker classes (W&B, TensorBoard), created on the main process only."""
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
@@ -183,7 +231,8 @@ def map_tensors(fn, data):
 
 
 class Autocast(torch.nn.Module):
-    """bf16: the wrapped module's forward runs under torch.autocast, as Accelerate runs a prepared model's."""
+    """bf16: the wrapped module's forward runs under torch.autocast, as Accelerate runs a prepared
+    model's."""
 
     def __init__(self, module: torch.nn.Module, device_type: str):
         super().__init__()
@@ -195,15 +244,26 @@ class Autocast(torch.nn.Module):
 
 
 class ShardedLoader:
-    """A DataLoader's batches as this rank's share of each global batch, on the device (a prepared loader)."""
+    """A DataLoader's batches as this rank's share of each global batch, on the device (a prepared
+    loader)."""
 
     def __init__(self, loader: DataLoader, plumbing: TorchDDP):
         self.plumbing, self.sampler = plumbing, loader.sampler
-        self.batches = RankBatches(loader.sampler, loader.batch_size, plumbing.num_processes,
-                                   plumbing.process_index, loader.drop_last)
-        self.loader = DataLoader(loader.dataset, batch_sampler=self.batches, collate_fn=loader.collate_fn,
-                                 num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-                                 generator=loader.generator)
+        self.batches = RankBatches(
+            loader.sampler,
+            loader.batch_size,
+            plumbing.num_processes,
+            plumbing.process_index,
+            loader.drop_last,
+        )
+        self.loader = DataLoader(
+            loader.dataset,
+            batch_sampler=self.batches,
+            collate_fn=loader.collate_fn,
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+            generator=loader.generator,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -211,28 +271,36 @@ class ShardedLoader:
     def __iter__(self):
         device, last = self.plumbing.device, len(self.loader) - 1
         for index, batch in enumerate(self.loader):
-            self.plumbing._real_samples = self.batches.real_samples_in_last if index == last else None
+            self.plumbing._real_samples = (
+                self.batches.real_samples_in_last if index == last else None
+            )
             yield map_tensors(lambda tensor: tensor.to(device, non_blocking=True), batch)
         self.plumbing._real_samples = None
 
 
 class RankBatches(Sampler[list[int]]):
-    """This rank's batch of every global batch, as Accelerate's BatchSamplerShard splits it: rank r holds samples
-    [r * batch_size, (r+1) * batch_size). An incomplete last global batch is dropped (drop_last) or completed
-    with the pass's first samples, so that every rank gets a full batch (gather_for_metrics drops them)."""
+    """This rank's batch of every global batch, as Accelerate's BatchSamplerShard splits it: rank r
+    holds samples [r * batch_size, (r+1) * batch_size). An incomplete last global batch is dropped
+    (drop_last) or completed with the pass's first samples, so that every rank gets a full batch
+    (gather_for_metrics drops them)."""
 
     def __init__(self, sampler, batch_size: int, world: int, rank: int, drop_last: bool):
-        self.sampler, self.batch_size, self.rank, self.drop_last = sampler, batch_size, rank, drop_last
+        self.sampler, self.batch_size, self.rank, self.drop_last = (
+            sampler,
+            batch_size,
+            rank,
+            drop_last,
+        )
         self.span = batch_size * world
 
     def __iter__(self):
         indices = list(self.sampler)
         if self.drop_last:
-            indices = indices[:len(indices) - len(indices) % self.span]
+            indices = indices[: len(indices) - len(indices) % self.span]
         elif indices:
             indices += [indices[i % len(indices)] for i in range(-len(indices) % self.span)]
         for start in range(self.rank * self.batch_size, len(indices), self.span):
-            yield indices[start:start + self.batch_size]
+            yield indices[start : start + self.batch_size]
 
     def __len__(self) -> int:
         return len(self.sampler) // self.span + (self.real_samples_in_last is not None)
@@ -251,8 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     processes = _pop_spawn(argv)
     cfg = load_config_or_exit(argv)  # checked once, before any process starts
     if cfg.mixed_precision == "fp16":
-        exit_with_error(ConfigError("mixed_precision fp16 needs a GradScaler, which torch_ddp.py leaves out: "
-                                    "use bf16, or main.py"))
+        exit_with_error(
+            ConfigError(
+                "mixed_precision fp16 needs a GradScaler, which torch_ddp.py leaves out: "
+                "use bf16, or main.py"
+            )
+        )
     if not processes:
         run_or_exit(train, cfg, TorchDDP)  # exits; the process group is closed on every way out
     with socket.socket() as s:  # a free port for the spawned processes' rendezvous
@@ -262,8 +334,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _spawned(rank: int, world_size: int, argv: list[str], port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     run_or_exit(train, load_config_or_exit(argv), TorchDDP)
 
 
@@ -274,7 +352,7 @@ def _pop_spawn(argv: list[str]) -> int:
     value = argv[i + 1] if i + 1 < len(argv) else ""
     if not value.isdigit() or int(value) < 1:
         exit_with_error(ConfigError(f"spawn must be a process count (got {value!r})"))
-    del argv[i:i + 2]
+    del argv[i : i + 2]
     return int(value)
 
 

@@ -1,9 +1,9 @@
 """What a run reports: metrics.jsonl, config.yaml, console lines, a progress bar, and trackers.
 
-`MetricsLogger` is a no-op off the main process, so the loop calls it on every rank without an `if rank == 0`;
-the progress bar shows on each node's local main process. Trackers (W&B, TensorBoard) go through the plumbing's
-tracking API (`init_trackers`, `log`); every row also goes to metrics.jsonl, readable without any tracker.
-"""
+`MetricsLogger` is a no-op off the main process, so the loop calls it on every rank without an `if
+rank == 0`; the progress bar shows on each node's local main process. Trackers (W&B, TensorBoard) go
+through the plumbing's tracking API (`init_trackers`, `log`); every row also goes to metrics.jsonl,
+readable without any tracker."""
 
 from __future__ import annotations
 
@@ -36,58 +36,90 @@ class MetricsLogger:
         self.metrics_file, self.bar, self.tracker_failed = None, None, False
 
     def start(self, cfg: TrainConfig, step: int, run_info: dict) -> None:
-        """Write config.yaml (the config as the resume settled it) and run_info.json; keep metrics.jsonl rows
-        up to `step` (a resume re-logs the rest)."""
+        """Write config.yaml (the config as the resume settled it) and run_info.json; keep
+        metrics.jsonl rows up to `step` (a resume re-logs the rest)."""
         self.cfg = cfg
         if self.show_progress:
-            # disable=None: no bar when stderr is not a terminal (CI, SLURM logs); the log lines remain
-            self.bar = tqdm(total=self.cfg.max_steps, initial=step, desc="train", unit="step",
-                            dynamic_ncols=True, mininterval=1.0, disable=None)
+            # disable=None: no bar when stderr is not a terminal (CI, SLURM logs); the log lines
+            # remain
+            self.bar = tqdm(
+                total=self.cfg.max_steps,
+                initial=step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=1.0,
+                disable=None,
+            )
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(asdict(self.cfg), sort_keys=False))
+        (self.output_dir / "config.yaml").write_text(
+            yaml.safe_dump(asdict(self.cfg), sort_keys=False)
+        )
         (self.output_dir / "run_info.json").write_text(json.dumps(run_info, indent=2) + "\n")
         (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run is the requeued one
         path = self.output_dir / "metrics.jsonl"
         logged = path.read_text().splitlines(keepends=True) if path.exists() else []
-        path.write_text("".join(line for line in logged if _step_of(line) <= step))  # a resume re-logs the rest
-        self.metrics_file = open(path, "a", buffering=1)  # line-buffered: readable while training runs
-        atexit.register(self.close)  # trackers are finished on every way out, errors included (W&B hangs otherwise)
+        path.write_text(
+            "".join(line for line in logged if _step_of(line) <= step)
+        )  # a resume re-logs the rest
+        self.metrics_file = open(
+            path, "a", buffering=1
+        )  # line-buffered: readable while training runs
+        atexit.register(
+            self.close
+        )  # trackers are finished on every way out, errors included (W&B hangs otherwise)
         for key, value in run_info.items():
             self.info(f"{key}: {value}")
 
     def start_trackers(self, run_id: str, resumed_step: int) -> None:
-        """Start the configured trackers on the main process. W&B: a resumed run rewinds its W&B run to the
-        checkpoint's step; a server without rewind gets a plain resume, one that cannot be reached offline mode."""
+        """Start the configured trackers on the main process. W&B: a resumed run rewinds its W&B run
+        to the checkpoint's step; a server without rewind gets a plain resume, one that cannot be
+        reached offline mode."""
         names = self.cfg.trackers()
         if "wandb" in names and importlib.util.find_spec("wandb") is None:
-            self.warn("tracker wandb: the wandb package is not installed (pip install wandb); not logging to W&B")
+            self.warn(
+                "tracker wandb: the wandb package is not installed (pip install wandb); not logging to W&B"
+            )
             names.remove("wandb")
         if not names or not self.enabled:
             return
         project = os.environ.get("WANDB_PROJECT") or self.cfg.project
         first = wandb_init_kwargs(self.cfg, run_id, resumed_step)
-        attempts = [first, *([wandb_init_kwargs(self.cfg, run_id, 0)] if resumed_step else []),
-                    {**first, "mode": "offline"}]  # offline keeps the rewind: `wandb sync` applies it
+        attempts = [
+            first,
+            *([wandb_init_kwargs(self.cfg, run_id, 0)] if resumed_step else []),
+            {**first, "mode": "offline"},
+        ]  # offline keeps the rewind: `wandb sync` applies it
         for number, wandb_kwargs in enumerate(attempts, 1):
             try:
-                self.plumbing.init_trackers(project, config=asdict(self.cfg), init_kwargs={"wandb": wandb_kwargs})
+                self.plumbing.init_trackers(
+                    project, config=asdict(self.cfg), init_kwargs={"wandb": wandb_kwargs}
+                )
                 break
-            except Exception as e:  # no API key, no network, server down, no rewind: training goes on
+            except (
+                Exception
+            ) as e:  # no API key, no network, server down, no rewind: training goes on
                 if "wandb" not in names:
                     raise
                 finish_trackers(self.plumbing)
                 import wandb
 
                 wandb.teardown()  # the failed run still holds its id in W&B's service process
-                then = ("trackers off (metrics.jsonl goes on)" if number == len(attempts) else
-                        "logging to W&B offline instead" if number == len(attempts) - 1 else
-                        "trying a resume without rewinding the W&B run")
+                then = (
+                    "trackers off (metrics.jsonl goes on)"
+                    if number == len(attempts)
+                    else "logging to W&B offline instead"
+                    if number == len(attempts) - 1
+                    else "trying a resume without rewinding the W&B run"
+                )
                 self.warn(f"W&B could not start ({first_line(e)}); {then}")
         wandb_run = next((t.tracker for t in self.plumbing.trackers if t.name == "wandb"), None)
         if wandb_run is not None and wandb_run.settings.mode == "offline":
-            self.info(f"W&B is offline: upload this run later with `wandb sync {wandb_run.dir.rsplit('/', 1)[0]}`")
+            self.info(
+                f"W&B is offline: upload this run later with `wandb sync {wandb_run.dir.rsplit('/', 1)[0]}`"
+            )
 
     def log(self, step: int, metrics: dict) -> None:
         """One metrics.jsonl row and one console line."""
@@ -98,15 +130,21 @@ class MetricsLogger:
         self._to_trackers(row, step)
         if self.bar is not None and row.get("loss") is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
-        self.info(" | ".join([f"step {step}/{self.cfg.max_steps}"] + [_fmt(k, v) for k, v in row.items()
-                                                                      if k != "step"]))
+        self.info(
+            " | ".join(
+                [f"step {step}/{self.cfg.max_steps}"]
+                + [_fmt(k, v) for k, v in row.items() if k != "step"]
+            )
+        )
 
     def stopped(self, step: int, signal_name: str, checkpoint: str) -> None:
         """A stop on a signal, with a checkpoint. Except after Ctrl-C, leave the requeue marker."""
         if self.enabled and signal_name != "SIGINT":
             write_preempted_marker(self.cfg.output_dir, step, signal_name, checkpoint)
-        self.info(f"stopping at step {step} on {signal_name}, checkpoint saved: continue with "
-                  f"--output_dir {self.cfg.output_dir} --resume latest")
+        self.info(
+            f"stopping at step {step} on {signal_name}, checkpoint saved: continue with "
+            f"--output_dir {self.cfg.output_dir} --resume latest"
+        )
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -115,10 +153,14 @@ class MetricsLogger:
     def _to_trackers(self, row: dict, step: int) -> None:
         if self.plumbing.trackers and not self.tracker_failed:
             try:
-                self.plumbing.log({k: v for k, v in row.items() if v is not None and k != "step"}, step=step)
+                self.plumbing.log(
+                    {k: v for k, v in row.items() if v is not None and k != "step"}, step=step
+                )
             except Exception as e:  # a tracker's trouble never stops training
                 self.tracker_failed = True
-                self.warn(f"tracker logging failed ({first_line(e)}); metrics.jsonl continues, trackers stop")
+                self.warn(
+                    f"tracker logging failed ({first_line(e)}); metrics.jsonl continues, trackers stop"
+                )
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -138,25 +180,33 @@ class MetricsLogger:
         finish_trackers(self.plumbing)
 
 
-def write_preempted_marker(output_dir: str, step: int, signal_name: str, checkpoint: str | None) -> None:
-    """<output_dir>/preempted.json: launchers report any worker's exit as 1, so a requeue script tells
-    "stopped on a signal, requeue me" apart from a failure by this file. The next start removes it."""
+def write_preempted_marker(
+    output_dir: str, step: int, signal_name: str, checkpoint: str | None
+) -> None:
+    """<output_dir>/preempted.json: launchers report any worker's exit as 1, so a requeue script
+    tells "stopped on a signal, requeue me" apart from a failure by this file. The next start
+    removes it."""
     record = {"step": step, "signal": signal_name, "checkpoint": checkpoint}
     (Path(output_dir) / PREEMPTED_MARKER).write_text(json.dumps(record) + "\n")
 
 
 def wandb_init_kwargs(cfg: TrainConfig, run_id: str, resumed_step: int) -> dict:
-    """wandb.init arguments: the run id from the checkpoint continues the same W&B run after a resume, rewound
-    to the checkpoint's step (`resume_from`). Entity, tags and group fall back to WANDB_ENTITY / WANDB_TAGS /
-    WANDB_RUN_GROUP; the API key only ever comes from WANDB_API_KEY or `wandb login`."""
-    # quiet: no ~25-line summary at the end of every run (the offline sync hint is printed by start_trackers)
+    """wandb.init arguments: the run id from the checkpoint continues the same W&B run after a
+    resume, rewound to the checkpoint's step (`resume_from`). Entity, tags and group fall back to
+    WANDB_ENTITY / WANDB_TAGS / WANDB_RUN_GROUP; the API key only ever comes from WANDB_API_KEY or
+    `wandb login`."""
+    # quiet: no ~25-line summary at the end of every run (the offline sync hint is printed by
+    # start_trackers)
     kwargs = {"name": cfg.run_label, "dir": cfg.output_dir, "settings": {"quiet": True}}
     if resumed_step:
         kwargs["resume_from"] = f"{run_id}?_step={resumed_step}"
     else:
         kwargs.update(id=run_id, resume="allow")
-    optional = {"entity": cfg.wandb_entity, "group": cfg.wandb_group,
-                "tags": [t for t in cfg.wandb_tags.split(",") if t]}
+    optional = {
+        "entity": cfg.wandb_entity,
+        "group": cfg.wandb_group,
+        "tags": [t for t in cfg.wandb_tags.split(",") if t],
+    }
     return {**kwargs, **{k: v for k, v in optional.items() if v}}
 
 
@@ -174,10 +224,17 @@ def finish_trackers(plumbing) -> None:
 
 
 class Throughput:
-    """Tokens/s, samples/s, step time, peak memory, and (on GPUs) MFU, since the last report or restart."""
+    """Tokens/s, samples/s, step time, peak memory, and (on GPUs) MFU, since the last report or
+    restart."""
 
-    def __init__(self, samples_per_step: int, tokens_per_step: int, flops_per_token: float, num_processes: int,
-                 mixed_precision: str):
+    def __init__(
+        self,
+        samples_per_step: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        num_processes: int,
+        mixed_precision: str,
+    ):
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         self.on_gpu = torch.cuda.is_available()
         peak = peak_flops_per_gpu(torch.cuda.get_device_name()) if self.on_gpu else None
@@ -194,12 +251,16 @@ class Throughput:
 
     def report(self) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        rates = {"tokens_per_s": self.steps * self.tokens_per_step / elapsed,
-                 "samples_per_s": self.steps * self.samples_per_step / elapsed,
-                 "step_time_s": elapsed / max(self.steps, 1)}
+        rates = {
+            "tokens_per_s": self.steps * self.tokens_per_step / elapsed,
+            "samples_per_s": self.steps * self.samples_per_step / elapsed,
+            "step_time_s": elapsed / max(self.steps, 1),
+        }
         if self.peak_flops:
             rates["mfu"] = rates["tokens_per_s"] * self.flops_per_token / self.peak_flops
-        if self.on_gpu:  # this process's (rank 0's, in metrics.jsonl): what DDP replicates and FSDP shards
+        if (
+            self.on_gpu
+        ):  # this process's (rank 0's, in metrics.jsonl): what DDP replicates and FSDP shards
             rates["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         else:  # the process's peak resident memory, libraries included (Linux reports KiB)
             rates["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -207,11 +268,22 @@ class Throughput:
         return rates
 
 
-# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. Matched in order
-# against torch.cuda.get_device_name(); a GPU that is not listed gets no MFU figure rather than a wrong one.
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
-                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12),
-                   ("RTX 4090", 165e12), ("RTX 3090", 71e12)]
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. Matched in
+# order against torch.cuda.get_device_name(); a GPU that is not listed gets no MFU figure rather
+# than a wrong one.
+PEAK_BF16_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+]
 
 
 def peak_flops_per_gpu(device_name: str) -> float | None:
@@ -219,7 +291,8 @@ def peak_flops_per_gpu(device_name: str) -> float | None:
 
 
 def _step_of(line: str) -> float:
-    """A row's step; a line torn by a crash mid-write counts as past every step, so it is dropped."""
+    """A row's step; a line torn by a crash mid-write counts as past every step, so it is
+    dropped."""
     try:
         return json.loads(line).get("step", 0)
     except ValueError:
@@ -238,20 +311,31 @@ def _fmt(key: str, value) -> str:
 
 
 def git_state() -> tuple[str, bool | None]:
-    """(revision, whether tracked files have uncommitted changes); ("unknown", None) outside a git checkout."""
+    """(revision, whether tracked files have uncommitted changes); ("unknown", None) outside a git
+    checkout."""
     import subprocess
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+
     try:
-        return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+        return git("rev-parse", "--short=12", "HEAD"), bool(
+            git("status", "--porcelain", "--untracked-files=no")
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown", None
 
 
 def environment_info() -> dict:
-    """What to compare between nodes, or between two runs that should agree (README "Troubleshooting")."""
+    """What to compare between nodes, or between two runs that should agree (README
+    "Troubleshooting")."""
     import platform
 
     import accelerate
@@ -259,7 +343,14 @@ def environment_info() -> dict:
 
     revision, dirty = git_state()
     cuda = torch.cuda.is_available()
-    return {"python": platform.python_version(), "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "datasets": datasets.__version__, "cuda": torch.version.cuda if cuda else None,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-            "git": revision, "git_dirty": dirty, "host": os.uname().nodename}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "datasets": datasets.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "git": revision,
+        "git_dirty": dirty,
+        "host": os.uname().nodename,
+    }

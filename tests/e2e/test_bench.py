@@ -12,9 +12,27 @@ pytestmark = pytest.mark.slow
 
 
 def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, corpus):
-    out = tmp_path / "bench.json"  # the small test corpus: the final evaluation of each variant stays short
-    result = run([sys.executable, str(REPO / "bench/throughput.py"), "--quick", "--streaming", "--processes", "2",
-                  "--out", str(out), "--dataset", str(corpus), "--block_size", "32"], base_env(tmp_path), timeout=300)
+    out = (
+        tmp_path / "bench.json"
+    )  # the small test corpus: the final evaluation of each variant stays short
+    result = run(
+        [
+            sys.executable,
+            str(REPO / "bench/throughput.py"),
+            "--quick",
+            "--streaming",
+            "--processes",
+            "2",
+            "--out",
+            str(out),
+            "--dataset",
+            str(corpus),
+            "--block_size",
+            "32",
+        ],
+        base_env(tmp_path),
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     summary = json.loads(out.read_text())
     for variant in ("bare", "accelerate", "torch", "streaming"):
@@ -27,4 +45,6 @@ def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, cor
         assert 0 < summary[ratio]["low"] <= summary[ratio]["median"] <= summary[ratio]["high"]
     assert summary["rounds"] == 2  # --quick: 3 rounds, the first one warm-up
     assert "accelerate / bare:" in result.stdout and "loader wait" in result.stdout
-    assert "x 2 processes" in result.stdout and result.stdout.count("device:") == 1  # rank 0 reports
+    assert (
+        "x 2 processes" in result.stdout and result.stdout.count("device:") == 1
+    )  # rank 0 reports

@@ -24,23 +24,32 @@ pytestmark = pytest.mark.slow
 
 def test_the_torchrun_summary_ends_with_our_error(tmp_path, corpus):
     """(accelerate launch: tests/e2e/test_accelerate.py::test_bad_value_through_the_launcher)"""
-    result = launch_torchrun([*tiny_args(tmp_path / "run", corpus), "--lr", "-1"], tmp_path, script=TORCH_DDP)
+    result = launch_torchrun(
+        [*tiny_args(tmp_path / "run", corpus), "--lr", "-1"], tmp_path, script=TORCH_DDP
+    )
     assert result.returncode != 0
     lines = result.output.splitlines()
     assert sum(line.startswith("error: lr must be > 0") for line in lines) == 1
     # the launcher's summary ("Root Cause") closes the output: our line is in it, not 40 lines up
-    assert any("error: lr must be > 0 (got -1.0)" in line for line in lines[-12:]), "\n".join(lines[-15:])
+    assert any("error: lr must be > 0 (got -1.0)" in line for line in lines[-12:]), "\n".join(
+        lines[-15:]
+    )
 
 
 def test_extending_a_run_keeps_the_lr_horizon(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    run_python(tiny_args(run_dir, corpus, max_steps=20, save_every=10, warmup_steps=2), tmp_path).check()
+    run_python(
+        tiny_args(run_dir, corpus, max_steps=20, save_every=10, warmup_steps=2), tmp_path
+    ).check()
     # (a max_steps below the checkpoint's step is refused: tests/test_checkpoint.py)
-    extended = run_python([*tiny_args(run_dir, corpus, max_steps=30, warmup_steps=2), "--resume", "latest"],
-                          tmp_path).check()
+    extended = run_python(
+        [*tiny_args(run_dir, corpus, max_steps=30, warmup_steps=2), "--resume", "latest"], tmp_path
+    ).check()
     assert "its horizon stays at step 20 (min_lr after it) while max_steps is 30" in extended.output
     lrs = {row["step"]: row["lr"] for row in read_metrics(run_dir) if "lr" in row}
-    assert all(lrs[step] == pytest.approx(3e-4) for step in range(21, 31))  # tiny.yaml's min_lr, not re-stretched
+    assert all(
+        lrs[step] == pytest.approx(3e-4) for step in range(21, 31)
+    )  # tiny.yaml's min_lr, not re-stretched
 
 
 def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, corpus):
@@ -56,7 +65,8 @@ def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, c
         "        out.loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())  # no next-token shift\n"
         "        return out\n"
         "main.build_model = lambda cfg: Unshifted(256, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0)\n"
-        "main.main()\n")
+        "main.main()\n"
+    )
     result = run_python(tiny_args(tmp_path / "run", corpus), tmp_path, script=wrapper)
     assert result.returncode == 2 and "Traceback" not in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
@@ -70,12 +80,39 @@ def test_the_template_tests_pass_in_a_fork_that_swapped_the_model(tmp_path):
 
     fork = tmp_path / "fork"
     for part in ("train", "tests", "data"):
-        shutil.copytree(REPO / part, fork / part, ignore=shutil.ignore_patterns("__pycache__", "python_stdlib"))
+        shutil.copytree(
+            REPO / part, fork / part, ignore=shutil.ignore_patterns("__pycache__", "python_stdlib")
+        )
     shutil.copy(REPO / "pyproject.toml", fork)
     replace_fork_point(fork / "train" / "model.py", 1, FORK_MODEL)
-    unit_tests = [f"tests/{name}" for name in ("test_checkpoint.py", "test_schedule.py", "test_data.py",
-                                               "test_model.py", "test_tracking.py")]
-    result = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not shipped", *unit_tests],
-                 base_env(tmp_path), cwd=fork, timeout=300)
+    unit_tests = [
+        f"tests/{name}"
+        for name in (
+            "test_checkpoint.py",
+            "test_schedule.py",
+            "test_data.py",
+            "test_model.py",
+            "test_tracking.py",
+        )
+    ]
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not shipped",
+            *unit_tests,
+        ],
+        base_env(tmp_path),
+        cwd=fork,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
-    assert " passed" in result.stdout.splitlines()[-1] and "failed" not in result.stdout.splitlines()[-1]
+    assert (
+        " passed" in result.stdout.splitlines()[-1]
+        and "failed" not in result.stdout.splitlines()[-1]
+    )

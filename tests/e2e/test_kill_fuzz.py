@@ -13,7 +13,13 @@ import random
 
 import pytest
 
-from conftest import FAULTY_MAIN, assert_matches_baseline, baseline_args, launch_accelerate, read_metrics
+from conftest import (
+    FAULTY_MAIN,
+    assert_matches_baseline,
+    baseline_args,
+    launch_accelerate,
+    read_metrics,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +44,17 @@ def test_kill_at_random_moments_and_resume_each_time(tmp_path, corpus, baseline)
     for _ in range(KILLS):
         event, rank = rng.randint(1, events_left(run_dir)), rng.randint(0, 1)
         moments.append((event, rank))
-        crashed = launch_accelerate(args, tmp_path, script=FAULTY_MAIN,
-                                    env_extra={"FAULT_KILL_EVENT": event, "FAULT_RANK": rank})
+        crashed = launch_accelerate(
+            args,
+            tmp_path,
+            script=FAULTY_MAIN,
+            env_extra={"FAULT_KILL_EVENT": event, "FAULT_RANK": rank},
+        )
         assert crashed.returncode != 0, f"the kill at event {event} on rank {rank} did not happen"
     launch_accelerate(args, tmp_path).check()
     assert_matches_baseline(run_dir, baseline)
     steps = [row["step"] for row in read_metrics(run_dir) if "loss" in row]
     assert steps == list(range(1, MAX_STEPS + 1)), moments  # no step trained (or logged) twice
-    assert not list((run_dir / "checkpoints").glob("*.tmp")) and not list((run_dir / "checkpoints").glob("*.stale"))
+    assert not list((run_dir / "checkpoints").glob("*.tmp")) and not list(
+        (run_dir / "checkpoints").glob("*.stale")
+    )

@@ -49,7 +49,9 @@ def wait_for_rows(run_dir, rows: int, process, timeout: float = 120) -> None:
         if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= rows:
             return
         time.sleep(0.05)
-    raise AssertionError(f"no {rows} metrics rows in {run_dir} (process exit code {process.poll()})")
+    raise AssertionError(
+        f"no {rows} metrics rows in {run_dir} (process exit code {process.poll()})"
+    )
 
 
 def test_sigterm_during_start_up_is_a_clean_preemption(tmp_path, corpus):
@@ -58,32 +60,53 @@ def test_sigterm_during_start_up_is_a_clean_preemption(tmp_path, corpus):
     args = [*tiny_args(run_dir, corpus, max_steps=12, save_every=3), "--resume", "latest"]
     stopped = run_python(args, tmp_path, script=FAULTY_MAIN, env_extra={"FAULT_STARTUP": "sigterm"})
     assert stopped.returncode == 75, stopped.tail()
-    assert "stopped during start-up on SIGTERM" in stopped.output and "Traceback" not in stopped.output
+    assert (
+        "stopped during start-up on SIGTERM" in stopped.output and "Traceback" not in stopped.output
+    )
     marker = json.loads((run_dir / "preempted.json").read_text())
     assert marker["step"] == 6 and marker["checkpoint"].endswith("step_00000006")
     # under a launcher, every rank gets the signal while the datasets are prepared
     fresh = tmp_path / "fresh"
-    stopped = launch_accelerate([*tiny_args(fresh, corpus, max_steps=6), "--resume", "latest"], tmp_path,
-                                script=FAULTY_MAIN, env_extra={"FAULT_STARTUP": "sigterm"})
+    stopped = launch_accelerate(
+        [*tiny_args(fresh, corpus, max_steps=6), "--resume", "latest"],
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={"FAULT_STARTUP": "sigterm"},
+    )
     assert "exitcode  : 75" in stopped.output, stopped.tail()
-    assert json.loads((fresh / "preempted.json").read_text()) == {"step": 0, "signal": "SIGTERM", "checkpoint": None}
+    assert json.loads((fresh / "preempted.json").read_text()) == {
+        "step": 0,
+        "signal": "SIGTERM",
+        "checkpoint": None,
+    }
 
 
 def test_inf_gradients_with_a_finite_loss_stop_before_the_save(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    diverged = run_python(tiny_args(run_dir, corpus, max_steps=12, save_every=4, log_every=10), tmp_path,
-                          script=FAULTY_MAIN, env_extra={"FAULT_INF_GRAD_STEP": 4})  # the loss of step 4 is finite
+    diverged = run_python(
+        tiny_args(run_dir, corpus, max_steps=12, save_every=4, log_every=10),
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={"FAULT_INF_GRAD_STEP": 4},
+    )  # the loss of step 4 is finite
     assert diverged.returncode == 1
     assert error_lines(diverged.output) == [
         "error: the gradient norm was not finite at step 4: training diverged; no checkpoint was saved; start "
-        "again with a lower lr or more warmup_steps"], diverged.tail()
+        "again with a lower lr or more warmup_steps"
+    ], diverged.tail()
     assert checkpoints(run_dir) == []
 
 
 def test_ctrl_c_checkpoints_and_says_how_to_continue(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(accelerate_cmd(baseline_args(run_dir, corpus)), env=base_env(tmp_path),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        accelerate_cmd(baseline_args(run_dir, corpus)),
+        env=base_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_rows(run_dir, 3, launcher)
         os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
@@ -93,7 +116,10 @@ def test_ctrl_c_checkpoints_and_says_how_to_continue(tmp_path, corpus):
             os.killpg(launcher.pid, signal.SIGKILL)
     stopped_at = max(r["step"] for r in read_metrics(run_dir))
     assert checkpoints(run_dir)[-1] == f"step_{stopped_at:08d}", output[-3000:]
-    assert f"on SIGINT, checkpoint saved: continue with --output_dir {run_dir} --resume latest" in output
+    assert (
+        f"on SIGINT, checkpoint saved: continue with --output_dir {run_dir} --resume latest"
+        in output
+    )
     assert not (run_dir / "preempted.json").exists()  # a person stopped it: no requeue
     # (that a resume from a signal's checkpoint is exact: test_resume.py, with SIGTERM to the launcher)
 
@@ -101,8 +127,12 @@ def test_ctrl_c_checkpoints_and_says_how_to_continue(tmp_path, corpus):
 def test_a_second_job_on_the_same_run_folder_is_refused_until_the_first_dies(tmp_path, corpus):
     run_dir = tmp_path / "run"
     args = tiny_args(run_dir, corpus, max_steps=5000, save_every=5)
-    first = subprocess.Popen([sys.executable, str(MAIN), *map(str, args)], env=base_env(tmp_path),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [sys.executable, str(MAIN), *map(str, args)],
+        env=base_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for_rows(run_dir, 6, first)
         started = time.time()
@@ -110,34 +140,52 @@ def test_a_second_job_on_the_same_run_folder_is_refused_until_the_first_dies(tmp
         assert time.time() - started < 60
         assert second.returncode != 0
         errors = error_lines(second.output)
-        assert len(errors) == 1 and f"output_dir '{run_dir}' is in use by another job (host " in errors[0], \
-            second.tail()
+        assert (
+            len(errors) == 1
+            and f"output_dir '{run_dir}' is in use by another job (host " in errors[0]
+        ), second.tail()
         assert f"pid {first.pid}, started " in errors[0]
         rows = len(read_metrics(run_dir))
         wait_for_rows(run_dir, rows + 2, first)  # the first job's files were left alone: it goes on
     finally:
         first.kill()
         first.wait()
-    newest = max(int(name.split("_")[1]) for name in checkpoints(run_dir) if not name.endswith(".tmp"))
-    resumed = run_python([*tiny_args(run_dir, corpus, max_steps=newest + 2), "--resume", "latest"], tmp_path)
+    newest = max(
+        int(name.split("_")[1]) for name in checkpoints(run_dir) if not name.endswith(".tmp")
+    )
+    resumed = run_python(
+        [*tiny_args(run_dir, corpus, max_steps=newest + 2), "--resume", "latest"], tmp_path
+    )
     assert f"(step {newest})" in resumed.check().output  # a killed holder's lock is free again
 
 
 def test_resume_refuses_changed_data_and_init_from_starts_over(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    run_python(tiny_args(run_dir, corpus, max_steps=4, save_every=4, warmup_steps=1), tmp_path).check()
-    refused = run_python([*tiny_args(run_dir, corpus, max_steps=8, seed=7), "--resume", "latest"], tmp_path)
+    run_python(
+        tiny_args(run_dir, corpus, max_steps=4, save_every=4, warmup_steps=1), tmp_path
+    ).check()
+    refused = run_python(
+        [*tiny_args(run_dir, corpus, max_steps=8, seed=7), "--resume", "latest"], tmp_path
+    )
     assert refused.returncode == 2
     assert error_lines(refused.output) == [
         f"error: {run_dir / 'checkpoints' / 'step_00000004'} was saved for other data (seed 1337 -> 7): resuming "
         f"would continue a different data order; to change them on purpose, start a new run with --init_from "
-        f"{run_dir / 'checkpoints' / 'step_00000004'}"], refused.tail()
-    other = tmp_path / "other.jsonl"  # other data (its refusal on resume: tests/test_checkpoint.py), on purpose
-    other.write_text("".join(json.dumps({"text": json.loads(line)["text"].upper()}) + "\n"
-                             for line in corpus.read_text().splitlines()))
-    fresh = run_python([*tiny_args(tmp_path / "new", other, max_steps=4, warmup_steps=1),
-                        "--init_from", run_dir],
-                       tmp_path).check()
+        f"{run_dir / 'checkpoints' / 'step_00000004'}"
+    ], refused.tail()
+    other = (
+        tmp_path / "other.jsonl"
+    )  # other data (its refusal on resume: tests/test_checkpoint.py), on purpose
+    other.write_text(
+        "".join(
+            json.dumps({"text": json.loads(line)["text"].upper()}) + "\n"
+            for line in corpus.read_text().splitlines()
+        )
+    )
+    fresh = run_python(
+        [*tiny_args(tmp_path / "new", other, max_steps=4, warmup_steps=1), "--init_from", run_dir],
+        tmp_path,
+    ).check()
     assert f"init_from: weights of {run_dir / 'model.safetensors'}" in fresh.output
     assert [r["step"] for r in read_metrics(tmp_path / "new") if "loss" in r] == [1, 2, 3, 4]
 
@@ -145,42 +193,83 @@ def test_resume_refuses_changed_data_and_init_from_starts_over(tmp_path, corpus)
 def test_a_full_disk_outside_a_checkpoint_is_one_line_and_no_rank_waits(tmp_path, corpus):
     run_dir = tmp_path / "run"
     started = time.time()
-    failed = launch_accelerate(tiny_args(run_dir, corpus), tmp_path, script=FAULTY_MAIN,
-                               env_extra={"FAULT_DISK_FULL_STEP": 5, "FAULT_RANK": 0})
+    failed = launch_accelerate(
+        tiny_args(run_dir, corpus),
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={"FAULT_DISK_FULL_STEP": 5, "FAULT_RANK": 0},
+    )
     assert failed.returncode != 0 and time.time() - started < 60
-    assert error_lines(failed.output) == ["error: [Errno 28] No space left on device: "
-                                          f"'{run_dir / 'metrics.jsonl'}'"], failed.tail()
+    assert error_lines(failed.output) == [
+        f"error: [Errno 28] No space left on device: '{run_dir / 'metrics.jsonl'}'"
+    ], failed.tail()
 
 
 def test_without_output_dir_each_run_gets_a_new_numbered_folder(tmp_path, corpus):
     """The README's train command (here with the debug preset, on the offline default corpus) works twice."""
-    readme = run(accelerate_cmd(["--config", REPO / "train/configs/debug.yaml"]), base_env(tmp_path), cwd=tmp_path)
-    assert readme.returncode == 0 and "output_dir: runs/run_001" in readme.stdout, readme.stdout[-2000:]
-    args = ["--config", TINY, "--dataset", corpus, "--block_size", 32, "--batch_size", 4, "--max_steps", 2]
+    readme = run(
+        accelerate_cmd(["--config", REPO / "train/configs/debug.yaml"]),
+        base_env(tmp_path),
+        cwd=tmp_path,
+    )
+    assert readme.returncode == 0 and "output_dir: runs/run_001" in readme.stdout, readme.stdout[
+        -2000:
+    ]
+    args = [
+        "--config",
+        TINY,
+        "--dataset",
+        corpus,
+        "--block_size",
+        32,
+        "--batch_size",
+        4,
+        "--max_steps",
+        2,
+    ]
     cmd = [sys.executable, str(MAIN), *map(str, args)]
     result = run(cmd, base_env(tmp_path), cwd=tmp_path)
-    assert result.returncode == 0 and "output_dir: runs/run_002" in result.stdout, result.stdout[-2000:]
+    assert result.returncode == 0 and "output_dir: runs/run_002" in result.stdout, result.stdout[
+        -2000:
+    ]
     for number in (1, 2):
         assert (tmp_path / "runs" / f"run_00{number}" / "model.safetensors").exists()
     result = run([*cmd, "--max_steps", "4", "--resume", "latest"], base_env(tmp_path), cwd=tmp_path)
-    assert result.returncode == 0 and "resume: runs/run_002/checkpoints/step_00000002" in result.stdout, \
-        result.stdout[-2000:]
+    assert (
+        result.returncode == 0 and "resume: runs/run_002/checkpoints/step_00000002" in result.stdout
+    ), result.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run_001", "run_002"]
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-def test_the_launcher_restarts_killed_workers_and_they_resume_exactly(tmp_path, corpus, baseline, launcher):
+def test_the_launcher_restarts_killed_workers_and_they_resume_exactly(
+    tmp_path, corpus, baseline, launcher
+):
     run_dir = tmp_path / "run"
     args = [*baseline_args(run_dir, corpus), "--resume", "latest"]
-    fault = {"FAULT_STEP": 13, "FAULT_RANK": 1, "FAULT_ACTION": "sigkill", "FAULT_ONCE": tmp_path / "once"}
+    fault = {
+        "FAULT_STEP": 13,
+        "FAULT_RANK": 1,
+        "FAULT_ACTION": "sigkill",
+        "FAULT_ONCE": tmp_path / "once",
+    }
     if launcher == "accelerate":
-        restarted = launch_accelerate(args, tmp_path, script=FAULTY_MAIN, env_extra=fault,
-                                      launcher_args=["--max_restarts", "2"]).check()
+        restarted = launch_accelerate(
+            args,
+            tmp_path,
+            script=FAULTY_MAIN,
+            env_extra=fault,
+            launcher_args=["--max_restarts", "2"],
+        ).check()
         assert "resume: " in restarted.output and "(step 8)" in restarted.output, restarted.tail()
         assert_matches_baseline(run_dir, baseline)
     else:  # the torch path is bitwise the Accelerate path: the same reference
-        restarted = launch_torchrun(args, tmp_path, script=FAULTY_MAIN,
-                                    env_extra={**fault, "FAULTY_ENTRY": "torch_ddp"},
-                                    launcher_args=["--standalone", "--max-restarts", "2"]).check()
+        restarted = launch_torchrun(
+            args,
+            tmp_path,
+            script=FAULTY_MAIN,
+            env_extra={**fault, "FAULTY_ENTRY": "torch_ddp"},
+            launcher_args=["--standalone", "--max-restarts", "2"],
+        ).check()
         assert "(step 8)" in restarted.output, restarted.tail()
         assert_matches_baseline(run_dir, baseline)

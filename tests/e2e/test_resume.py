@@ -29,26 +29,53 @@ pytestmark = pytest.mark.slow
 
 
 def resume(run_dir, corpus, tmp_path):
-    return launch_accelerate([*baseline_args(run_dir, corpus), "--resume", "latest"], tmp_path).check()
+    return launch_accelerate(
+        [*baseline_args(run_dir, corpus), "--resume", "latest"], tmp_path
+    ).check()
 
 
 def test_keep_last_and_layout_of_the_baseline(baseline):
     root = baseline.output_dir / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000016", "step_00000024"]  # keep_last 2 of 8/16/24
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step_00000016",
+        "step_00000024",
+    ]  # keep_last 2 of 8/16/24
     manifest = json.loads((root / "step_00000024" / "manifest.json").read_text())
-    assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "rng_rank1.pt", "train_state.json", "data.json",
-            "config.yaml"} == set(manifest["files"])
+    assert {
+        "model.safetensors",
+        "optimizer.pt",
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+        "train_state.json",
+        "data.json",
+        "config.yaml",
+    } == set(manifest["files"])
     state = json.loads((root / "step_00000024" / "train_state.json").read_text())
-    assert (state["step"], manifest["run"]["world_size"], manifest["run"]["global_batch"]) == (24, 2, 16)
+    assert (state["step"], manifest["run"]["world_size"], manifest["run"]["global_batch"]) == (
+        24,
+        2,
+        16,
+    )
     position = json.loads((root / "step_00000024" / "data.json").read_text())
-    assert position == {"micro_batches": 24 * 2, "samples_per_micro_batch": 8}  # 2 ranks x 4, 2 micro-steps a step
+    assert position == {
+        "micro_batches": 24 * 2,
+        "samples_per_micro_batch": 8,
+    }  # 2 ranks x 4, 2 micro-steps a step
 
 
-def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(tmp_path, corpus, baseline):
+def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(
+    tmp_path, corpus, baseline
+):
     run_dir = tmp_path / "run"
     cmd = accelerate_cmd(baseline_args(run_dir, corpus))
-    launcher = subprocess.Popen(cmd, env=base_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        cmd,
+        env=base_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
@@ -62,7 +89,9 @@ def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(tmp_p
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
-    assert took < 25, f"took {took:.1f}s to stop"  # inside torchrun's 30 s before it SIGKILLs workers
+    assert took < 25, (
+        f"took {took:.1f}s to stop"
+    )  # inside torchrun's 30 s before it SIGKILLs workers
     marker = json.loads((run_dir / "preempted.json").read_text())
     assert marker["step"] < 24, output[-2000:]
     assert (run_dir / "checkpoints" / f"step_{marker['step']:08d}" / "manifest.json").exists()
@@ -74,8 +103,12 @@ def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(tmp_p
 
 def test_sigusr1_without_a_launcher_exits_75_after_a_checkpoint(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    stopped = run_python(tiny_args(run_dir, corpus, max_steps=12, save_every=0), tmp_path, script=FAULTY_MAIN,
-                         env_extra={"FAULT_STEP": 5, "FAULT_ACTION": "sigusr1"})
+    stopped = run_python(
+        tiny_args(run_dir, corpus, max_steps=12, save_every=0),
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={"FAULT_STEP": 5, "FAULT_ACTION": "sigusr1"},
+    )
     assert stopped.returncode == 75, stopped.tail()
     assert json.loads((run_dir / "preempted.json").read_text())["signal"] == "SIGUSR1"
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000005"]
@@ -86,12 +119,23 @@ def test_killed_inside_a_save_resumes_from_the_previous_checkpoint(tmp_path, cor
     """Rank 0 killed after writing every file of the second save but before publishing it (kill -9 of a
     rank mid-run, and kills at other points of a save, are in test_kill_fuzz.py and test_reliability.py)."""
     run_dir = tmp_path / "run"
-    crashed = launch_accelerate(baseline_args(run_dir, corpus), tmp_path, script=FAULTY_MAIN,
-                                env_extra={"FAULT_SAVE_AT": "before_publish", "FAULT_SAVE_NUMBER": 2, "FAULT_RANK": 0,
-                                           "FAULT_ONCE": tmp_path / "once"})
+    crashed = launch_accelerate(
+        baseline_args(run_dir, corpus),
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={
+            "FAULT_SAVE_AT": "before_publish",
+            "FAULT_SAVE_NUMBER": 2,
+            "FAULT_RANK": 0,
+            "FAULT_ONCE": tmp_path / "once",
+        },
+    )
     assert crashed.returncode != 0
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert names == ["step_00000008", "step_00000016.tmp"]  # the half-written save never got its final name
+    assert names == [
+        "step_00000008",
+        "step_00000016.tmp",
+    ]  # the half-written save never got its final name
     resumed = resume(run_dir, corpus, tmp_path)
     assert "(step 8)" in resumed.output
     assert_matches_baseline(run_dir, baseline)
@@ -101,8 +145,10 @@ def test_killed_inside_a_save_resumes_from_the_previous_checkpoint(tmp_path, cor
 def test_resume_into_a_different_model_is_a_one_line_error(tmp_path, corpus, baseline):
     """(A different world size or batch geometry is refused the same way: tests/test_checkpoint.py.)"""
     checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
-    wider = run_python([*baseline_args(tmp_path / "a", corpus, n_embd=96, batch_size=8), "--resume", checkpoint],
-                       tmp_path)  # one process, the baseline's global batch
+    wider = run_python(
+        [*baseline_args(tmp_path / "a", corpus, n_embd=96, batch_size=8), "--resume", checkpoint],
+        tmp_path,
+    )  # one process, the baseline's global batch
     assert wider.returncode != 0
     errors = [line for line in wider.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "does not fit this model" in errors[0], wider.tail()
@@ -112,21 +158,37 @@ def samples_per_step(ids_dir, world, batch, accum, steps):
     """The sorted sample indices of each optimizer step, from what every rank loaded (in order; a loader's
     read-ahead adds a few at the end, beyond the last step)."""
     drawn = [json.loads((ids_dir / f"rank{r}.json").read_text()) for r in range(world)]
-    return [sorted(i for rank in drawn for i in rank[k * accum * batch:(k + 1) * accum * batch]) for k in range(steps)]
+    return [
+        sorted(i for rank in drawn for i in rank[k * accum * batch : (k + 1) * accum * batch])
+        for k in range(steps)
+    ]
 
 
-def test_a_resume_on_another_world_size_trains_on_the_same_samples(tmp_path, corpus, four_processes):
+def test_a_resume_on_another_world_size_trains_on_the_same_samples(
+    tmp_path, corpus, four_processes
+):
     """Saved by 4 processes x batch 4; resumed by 2 x 8 (Accelerate), and by 1 x 8 with 2 accumulation steps
     (the torch path): every later step trains on exactly the uninterrupted run's samples, and the losses
     agree to float-summation tolerance (not bitwise: the gradient sums run over other groupings)."""
     common = dict(max_steps=8, save_every=4, eval_every=8)
     expected = samples_per_step(four_processes.output_dir.parent / "ids", 4, 4, 1, 8)[4:]
     checkpoint = four_processes.output_dir / "checkpoints" / "step_00000004"
-    two = launch_accelerate([*tiny_args(tmp_path / "two", corpus, batch_size=8, **common), "--resume", checkpoint],
-                            tmp_path, script=FAULTY_MAIN, env_extra={"RECORD_SAMPLES": tmp_path / "two_ids"}).check()
-    one = run_python([*tiny_args(tmp_path / "one", corpus, batch_size=8, grad_accum_steps=2, **common), "--resume",
-                      checkpoint], tmp_path, script=FAULTY_MAIN,
-                     env_extra={"RECORD_SAMPLES": tmp_path / "one_ids", "FAULTY_ENTRY": "torch_ddp"}).check()
+    two = launch_accelerate(
+        [*tiny_args(tmp_path / "two", corpus, batch_size=8, **common), "--resume", checkpoint],
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={"RECORD_SAMPLES": tmp_path / "two_ids"},
+    ).check()
+    one = run_python(
+        [
+            *tiny_args(tmp_path / "one", corpus, batch_size=8, grad_accum_steps=2, **common),
+            "--resume",
+            checkpoint,
+        ],
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={"RECORD_SAMPLES": tmp_path / "one_ids", "FAULTY_ENTRY": "torch_ddp"},
+    ).check()
     assert "world_size 4 -> 2, batch_size 4 -> 8: the same global batch" in two.output
     assert "world_size 4 -> 1, batch_size 4 -> 8, grad_accum_steps 1 -> 2" in one.output
     assert samples_per_step(tmp_path / "two_ids", 2, 8, 1, 4) == expected
@@ -135,4 +197,7 @@ def test_a_resume_on_another_world_size_trains_on_the_same_samples(tmp_path, cor
         losses = run.losses()
         assert sorted(losses) == list(range(5, 9))
         for step, loss in losses.items():
-            assert loss == pytest.approx(four_processes.losses()[step], rel=1e-5), (step, run.output_dir)
+            assert loss == pytest.approx(four_processes.losses()[step], rel=1e-5), (
+                step,
+                run.output_dir,
+            )

@@ -37,21 +37,61 @@ def two_node_args(output_dir, corpus, **overrides):
 
 
 def accelerate_node(rank, port, args):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(TWO_NODE),
-            "--num_processes", "4", "--num_machines", "2", "--machine_rank", str(rank),
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
-            str(MAIN), *args]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(TWO_NODE),
+        "--num_processes",
+        "4",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        str(rank),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+        "--mixed_precision",
+        "no",
+        str(MAIN),
+        *args,
+    ]
 
 
 def torchrun_node(rank, port, args):
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-            "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-            "--rdzv_id", "two-node-test", str(TORCH_DDP), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--node_rank",
+        str(rank),
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv_id",
+        "two-node-test",
+        str(TORCH_DDP),
+        *args,
+    ]
 
 
 def start(cmd, tmp_path):
-    return subprocess.Popen(cmd, cwd=REPO, env=base_env(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=base_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def finish(procs, timeout=240):
@@ -61,14 +101,18 @@ def finish(procs, timeout=240):
             out, _ = proc.communicate(timeout=max(1, deadline - time.time()))
         except subprocess.TimeoutExpired:
             for p in procs:
-                os.killpg(p.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: every process prints where it hangs
+                os.killpg(
+                    p.pid, signal.SIGABRT
+                )  # PYTHONFAULTHANDLER: every process prints where it hangs
             time.sleep(5)
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
             tails = ["\n".join((p.communicate()[0] or "").splitlines()[-40:]) for p in procs]
-            pytest.fail("a node did not finish in time\n" + "\n".join(f"--- node {rank}:\n{tail}"
-                                                                      for rank, tail in enumerate(tails)))
+            pytest.fail(
+                "a node did not finish in time\n"
+                + "\n".join(f"--- node {rank}:\n{tail}" for rank, tail in enumerate(tails))
+            )
         outputs.append(out)
     return outputs
 
@@ -76,7 +120,9 @@ def finish(procs, timeout=240):
 def kill_node(launcher):
     """SIGKILL a launcher and its workers at once, as a node failure would. (torchrun starts each worker
     in its own session: killing the launcher's process group alone leaves them training as orphans.)"""
-    workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(launcher.pid)], capture_output=True, text=True)
+    workers = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(launcher.pid)], capture_output=True, text=True
+    )
     for pid in [launcher.pid, *map(int, workers.stdout.split())]:
         os.kill(pid, signal.SIGKILL)
 
@@ -98,8 +144,10 @@ def assert_same_run(output_dir, reference, resumed=False):
         assert losses == pytest.approx(reference.losses(), rel=1e-6, abs=0)
         return
     assert losses == reference.losses()
-    weights, expected = load_weights(output_dir / "model.safetensors"), load_weights(
-        reference.output_dir / "model.safetensors")
+    weights, expected = (
+        load_weights(output_dir / "model.safetensors"),
+        load_weights(reference.output_dir / "model.safetensors"),
+    )
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
@@ -111,8 +159,13 @@ def test_two_accelerate_launchers_make_one_world(tmp_path, corpus, four_processe
     assert '"processes": 4' in (out / "run_info.json").read_text()
     assert_same_run(out, four_processes)
     latest = out / "checkpoints" / "step_00000008"
-    assert sorted(p.name for p in latest.glob("rng_rank*.pt")) == [f"rng_rank{r}.pt" for r in range(4)]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+    assert sorted(p.name for p in latest.glob("rng_rank*.pt")) == [
+        f"rng_rank{r}.pt" for r in range(4)
+    ]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000004",
+        "step_00000008",
+    ]
 
 
 def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, corpus, four_processes):
@@ -123,13 +176,18 @@ def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, corpus, four_processe
     assert_same_run(out, four_processes)  # the torch path on 2 nodes matches Accelerate on 1
 
 
-def test_a_dead_node_stops_the_other_in_bounded_time_and_both_resume(tmp_path, corpus, four_processes):
+def test_a_dead_node_stops_the_other_in_bounded_time_and_both_resume(
+    tmp_path, corpus, four_processes
+):
     out = tmp_path / "run"
     args = two_node_args(out, corpus)
     port = free_port()
     node0, node1 = (start(accelerate_node(rank, port, args), tmp_path) for rank in (0, 1))
     deadline = time.time() + 180
-    while time.time() < deadline and not (out / "checkpoints" / "step_00000004" / "manifest.json").exists():
+    while (
+        time.time() < deadline
+        and not (out / "checkpoints" / "step_00000004" / "manifest.json").exists()
+    ):
         time.sleep(0.1)
     kill_node(node1)
     killed = time.time()
@@ -152,15 +210,20 @@ def test_a_world_that_does_not_add_up_stops_at_once(tmp_path, corpus):
         "import accelerate, main\n"
         "Original = accelerate.Accelerator\n"
         "accelerate.Accelerator = lambda **kw: Original(**{**kw, 'cpu': False})\n"
-        "main.main()\n")
+        "main.main()\n"
+    )
     out = tmp_path / "run"
     result = launch_accelerate(two_node_args(out, corpus), tmp_path, script=wrapper)
     assert result.returncode != 0
-    assert "the launcher started 2 processes but this one sees a world of 1" in result.output, result.tail()
+    assert "the launcher started 2 processes but this one sees a world of 1" in result.output, (
+        result.tail()
+    )
     assert not (out / "metrics.jsonl").exists()
 
 
-def test_node_local_disks_keep_a_checkpoint_copy_per_node_and_resume(tmp_path, corpus, four_processes):
+def test_node_local_disks_keep_a_checkpoint_copy_per_node_and_resume(
+    tmp_path, corpus, four_processes
+):
     """--shared_filesystem false: each node's local main process commits a full copy on its own disk
     (here: a separate folder per node), holding its own ranks' RNG files; both resume from them."""
     port = free_port()
@@ -175,6 +238,10 @@ def test_node_local_disks_keep_a_checkpoint_copy_per_node_and_resume(tmp_path, c
     assert_same_run(disks[0], four_processes)  # metrics.jsonl: written on node 0
     assert not (disks[1] / "metrics.jsonl").exists()
     port = free_port()
-    outputs = finish([start(accelerate_node(rank, port, [*args[rank], "--resume", "latest"]), tmp_path)
-                      for rank in (0, 1)])
+    outputs = finish(
+        [
+            start(accelerate_node(rank, port, [*args[rank], "--resume", "latest"]), tmp_path)
+            for rank in (0, 1)
+        ]
+    )
     assert "resume: " in outputs[0] and "(step 8)" in outputs[0], outputs[0][-3000:]

@@ -29,7 +29,12 @@ import signal
 import sys
 from pathlib import Path
 
-SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}
+SIGNALS = {
+    "sigterm": signal.SIGTERM,
+    "sigusr1": signal.SIGUSR1,
+    "sigint": signal.SIGINT,
+    "sigkill": signal.SIGKILL,
+}
 
 TRAIN_DIR = Path(__file__).resolve().parents[2] / "train"
 sys.path.insert(0, str(TRAIN_DIR))
@@ -85,6 +90,7 @@ def inject_save_fault(point: str, save_number: int) -> None:
             if due():
                 os.kill(os.getpid(), signal.SIGKILL)
             return result
+
         return wrapper
 
     if point == "after_model":
@@ -96,6 +102,7 @@ def inject_save_fault(point: str, save_number: int) -> None:
             original_write(folder, name, *args)
             if name == "rng" and due():
                 os.kill(os.getpid(), signal.SIGKILL)
+
         checkpoint.write_part = write_part
     elif point == "before_publish":
         original = checkpoint._publish
@@ -104,6 +111,7 @@ def inject_save_fault(point: str, save_number: int) -> None:
             if due():
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(tmp, *args)
+
         checkpoint._publish = publish
 
 
@@ -169,12 +177,15 @@ def kill_at_event(n: int) -> None:
                 if events["n"] == n and armed():
                     os.kill(os.getpid(), signal.SIGKILL)
             return fn(*args, **kwargs)
+
         return wrapper
 
     job.collectively = checkpoint.collectively = resume.collectively = counted(job.collectively)
     # mid-save on the writer: its weights are written, the optimizer's state not yet
-    checkpoint.write_part = counted(checkpoint.write_part, lambda folder, name, part, plumbing, writer:
-                                    writer and name == "optimizer")
+    checkpoint.write_part = counted(
+        checkpoint.write_part,
+        lambda folder, name, part, plumbing, writer: writer and name == "optimizer",
+    )
     checkpoint.prune_checkpoints = counted(checkpoint.prune_checkpoints)
     job.StopSignals.requested = counted(job.StopSignals.requested)
     main.build_datasets = counted(main.build_datasets)
@@ -213,13 +224,19 @@ def record_samples(folder: str) -> None:
             drawn.append(int(index))
             return self.dataset[index]
 
-    original_build, original_train, original_next_block = main.build_datasets, main.train, StreamBatches.next_block
+    original_build, original_train, original_next_block = (
+        main.build_datasets,
+        main.train,
+        StreamBatches.next_block,
+    )
 
     def build_datasets(cfg):
         train_set, eval_set = original_build(cfg)
         return (train_set if cfg.streaming else Recording(train_set)), eval_set
 
-    def next_block(self):  # streaming: a block's id is (epoch, blocks this process packed before it)
+    def next_block(
+        self,
+    ):  # streaming: a block's id is (epoch, blocks this process packed before it)
         sample_id, block = original_next_block(self)
         drawn.append(list(sample_id))
         return sample_id, block
@@ -237,7 +254,9 @@ if __name__ == "__main__":
     if "FAULT_STEP" in os.environ:
         inject_step_fault(int(os.environ["FAULT_STEP"]), os.environ.get("FAULT_ACTION", "sigterm"))
     if "FAULT_SAVE_AT" in os.environ:
-        inject_save_fault(os.environ["FAULT_SAVE_AT"], int(os.environ.get("FAULT_SAVE_NUMBER", "1")))
+        inject_save_fault(
+            os.environ["FAULT_SAVE_AT"], int(os.environ.get("FAULT_SAVE_NUMBER", "1"))
+        )
     if "FAULT_NAN_STEP" in os.environ:
         inject_nan_loss(int(os.environ["FAULT_NAN_STEP"]))
     if "FAULT_STARTUP" in os.environ:

@@ -21,8 +21,8 @@ def records(path):
         if left < 7:  # a block's tail too short for a header is padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind == 0:
             break
         if kind == FULL:
@@ -54,8 +54,12 @@ def read_run(path) -> dict:
             for item in record.config.update:
                 run["config"][item.key] = json.loads(item.value_json)
         elif kind == "history":
-            run["history"].append({(i.key or ".".join(i.nested_key)): json.loads(i.value_json)
-                                   for i in record.history.item})
+            run["history"].append(
+                {
+                    (i.key or ".".join(i.nested_key)): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+            )
         elif kind == "exit":
             run["exit_code"] = record.exit.exit_code
     return run
