@@ -105,14 +105,14 @@ def inject_save_fault(point: str, save_number: int) -> None:
 
         checkpoint.write_part = write_part
     elif point == "before_publish":
-        original = checkpoint._publish
+        original = checkpoint.publish
 
         def publish(tmp, *args):
             if due():
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(tmp, *args)
 
-        checkpoint._publish = publish
+        checkpoint.publish = publish
 
 
 def inject_nan_loss(step: int) -> None:
