@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import shutil
 import stat
 
 import pytest
@@ -177,98 +176,6 @@ def test_a_diverged_loss_stops_the_run_before_it_saves_broken_weights(tmp_path, 
     assert "(step 4)" in resumed.output
     assert sorted(resumed.losses()) == [4, 8, 10, 12] and all(resumed.losses().values())
     assert (run_dir / "model.safetensors").exists()
-
-
-FORK_MODEL = '''
-def build_model(cfg) -> nn.Module:
-    """A fork's own model: a bigram table (an MLP over the previous byte), HF-style outputs."""
-    return BigramLM(vocab_size(cfg), cfg.n_embd)
-
-
-class BigramLM(nn.Module):
-    def __init__(self, vocab, width):
-        super().__init__()
-        self.net = nn.Sequential(nn.Embedding(vocab, width), nn.Linear(width, vocab))
-
-    def forward(self, input_ids, labels=None, **_):
-        logits = self.net(input_ids)
-        loss = None if labels is None else causal_lm_loss(logits, labels).mean()
-        return CausalLMOutput(loss=loss, logits=logits)
-'''
-
-FORK_DATA = '''
-def build_datasets(cfg):
-    """A fork's own data: a CSV with a 'body' column, cut into blocks of block_size bytes."""
-    import datasets
-
-    text = datasets.load_dataset("csv", data_files=cfg.dataset)["train"]
-    split = text.train_test_split(test_size=0.1, seed=0)
-    pack = functools.partial(tokenize, block_size=cfg.block_size, text_column="body")
-    return tuple(split[name].map(pack, batched=True, remove_columns=["body"]).with_format("torch")
-                 for name in ("train", "test"))
-
-
-def tokenize(batch, block_size, text_column):
-    stream = "".join(batch[text_column]).encode()
-    n = len(stream) // block_size
-    return {"input_ids": np.frombuffer(stream, dtype=np.uint8, count=n * block_size).reshape(n, block_size)}
-'''
-
-
-def replace_fork_point(path, number, new_code):
-    text = path.read_text()
-    start = text.index(f"# >>> FORK POINT {number}")
-    end = text.index(f"# <<< FORK POINT {number}")
-    start = text.index("\n", start) + 1
-    path.write_text(text[:start] + new_code.lstrip("\n") + text[end:])
-
-
-def test_fork_swaps_model_and_data_in_the_two_marked_places(tmp_path):
-    fork = tmp_path / "fork"
-    shutil.copytree(REPO / "train", fork / "train", ignore=shutil.ignore_patterns("__pycache__"))
-    replace_fork_point(fork / "train" / "model.py", 1, FORK_MODEL)
-    replace_fork_point(fork / "train" / "data.py", 2, FORK_DATA)
-    rows = ["body"] + [f"row {i}: " + "abcabc" * 6 + "." for i in range(200)]
-    (tmp_path / "own.csv").write_text("\n".join(rows) + "\n")
-    run = run_python(
-        [
-            "--output_dir",
-            tmp_path / "run",
-            "--dataset",
-            tmp_path / "own.csv",
-            "--block_size",
-            16,
-            "--batch_size",
-            8,
-            "--max_steps",
-            30,
-            "--warmup_steps",
-            2,
-            "--lr",
-            1e-2,
-            "--log_every",
-            5,
-            "--eval_every",
-            30,
-            "--save_every",
-            0,
-            "--n_embd",
-            32,
-        ],
-        tmp_path,
-        script=fork / "train" / "main.py",
-    ).check()
-    losses = run.losses()
-    assert losses[30] < 0.5 * losses[5], losses
-    from safetensors import safe_open
-
-    with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as f:
-        assert set(f.keys()) == {
-            "net.0.weight",
-            "net.1.weight",
-            "net.1.bias",
-        }  # the fork's model was trained
-    assert math.isfinite([r for r in run.metrics() if "eval_loss" in r][-1]["eval_loss"])
 
 
 def test_the_launch_config_sets_the_precision_unless_the_training_config_does(tmp_path, corpus):

@@ -4,9 +4,12 @@ extending a run, a fork whose model breaks the loss contract, and the template's
 test_accelerate.py, a quiet W&B in test_tracking_runs.py, the debug preset in test_reliability.py.)"""
 
 import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from conftest import (
     REPO,
@@ -52,6 +55,7 @@ def test_extending_a_run_keeps_the_lr_horizon(tmp_path, corpus):
     )  # tiny.yaml's min_lr, not re-stretched
 
 
+@pytest.mark.shipped  # subclasses the shipped GPT (the contract itself: tests/test_lm.py)
 def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, corpus):
     wrapper = tmp_path / "unshifted.py"
     wrapper.write_text(
@@ -74,45 +78,58 @@ def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, c
     assert "is not the next-token cross-entropy of its .logits" in errors[0]
 
 
-def test_the_template_tests_pass_in_a_fork_that_swapped_the_model(tmp_path):
-    """A fork swaps model.py's fork point; the tests not marked `shipped` are about the template and pass."""
-    from test_accelerate import FORK_MODEL, replace_fork_point
+FORK_FILES = (
+    REPO / "tests" / "helpers" / "fork"
+)  # a GRU language model and CSV reviews, written as a fork's
 
-    fork = tmp_path / "fork"
-    for part in ("train", "tests", "data"):
-        shutil.copytree(
-            REPO / part, fork / part, ignore=shutil.ignore_patterns("__pycache__", "python_stdlib")
-        )
-    shutil.copy(REPO / "pyproject.toml", fork)
-    replace_fork_point(fork / "train" / "model.py", 1, FORK_MODEL)
-    unit_tests = [
-        f"tests/{name}"
-        for name in (
-            "test_checkpoint.py",
-            "test_schedule.py",
-            "test_data.py",
-            "test_model.py",
-            "test_tracking.py",
-        )
+
+def make_fork(root: Path) -> Path:
+    """A copy of the repository whose train/model.py and train/data.py are replaced whole by the fork's."""
+    fork = root / "fork"
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    files = listed.stdout.split() if listed.returncode == 0 else []
+    if not files:  # not a git checkout: the folders a fork has
+        folders = ("train", "tests", "data", "accelerate_configs", "scripts", "bench")
+        files = [
+            str(p.relative_to(REPO)) for f in folders for p in (REPO / f).rglob("*") if p.is_file()
+        ]
+        files.append("pyproject.toml")
+    for name in files:
+        if "__pycache__" in name or not (REPO / name).is_file():
+            continue
+        (fork / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, fork / name)
+    shutil.copy(FORK_FILES / "model.py", fork / "train" / "model.py")
+    shutil.copy(FORK_FILES / "data.py", fork / "train" / "data.py")
+    return fork
+
+
+def test_a_fork_that_replaced_model_and_data_whole_keeps_every_template_promise(tmp_path):
+    """The README's recipe, done whole: model.py and data.py replaced by a fork's own files (a GRU LM, CSV
+    reviews with a `review` column). The fork trains on its data, and the template's tests (`-m "not
+    shipped"`, the whole tier, slow ones too) pass in it unchanged."""
+    fork = make_fork(tmp_path)
+    reviews = tmp_path / "reviews.csv"
+    rows = [f"review {i}: " + "good value, would buy again. " * 3 for i in range(300)]
+    reviews.write_text("stars,review\n" + "".join(f"5,{row}\n" for row in rows))
+    own = [
+        *tiny_args(tmp_path / "own", reviews, max_steps=30, eval_every=30, save_every=15),
+        *["--text_column", "review", "--lr", "1e-2", "--n_layer", "1"],
     ]
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "not shipped",
-            *unit_tests,
-        ],
-        base_env(tmp_path),
-        cwd=fork,
-        timeout=300,
+    trained = run_python(own, tmp_path, script=fork / "train" / "main.py").check()
+    losses = trained.losses()
+    assert losses[30] < 0.6 * losses[1], losses
+    with safe_open(str(tmp_path / "own" / "model.safetensors"), "pt") as weights:
+        assert {"embed.weight", "head.weight", "head.bias"} <= set(
+            weights.keys()
+        )  # the fork's model
+
+    this_test = (
+        "tests/e2e/test_first_hour.py::"
+        + test_a_fork_that_replaced_model_and_data_whole_keeps_every_template_promise.__name__
     )
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert (
-        " passed" in result.stdout.splitlines()[-1]
-        and "failed" not in result.stdout.splitlines()[-1]
-    )
+    suite = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not shipped"]
+    result = run([*suite, "--deselect", this_test], base_env(tmp_path), cwd=fork, timeout=2400)
+    summary = result.stdout.strip().splitlines()[-1]
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
