@@ -334,7 +334,7 @@ def git_state() -> tuple[str, bool | None]:
 
 
 def environment_info() -> dict:
-    """What to compare between nodes, or between two runs that should agree (README
+    """What to compare between nodes, or between two runs that should agree (docs/multi-node.md
     "Troubleshooting")."""
     import platform
 

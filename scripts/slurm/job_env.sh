@@ -22,8 +22,8 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 # launcher and orphans the workers. Give the checkpoint 2 minutes before the workers are SIGKILLed.
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=120
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}                              # INFO when debugging a hang (README)
-# export NCCL_SOCKET_IFNAME=ib0                                    # pin the network interface (README)
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}                              # INFO when debugging a hang (docs/multi-node.md)
+# export NCCL_SOCKET_IFNAME=ib0                                    # pin the network interface (docs/multi-node.md)
 
 # a stop on SIGUSR1/SIGTERM leaves preempted.json (launchers report it as exit 1): requeue to continue
 requeue_if_preempted() {

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from conftest import launch_accelerate, load_weights, tiny_args
 from test_hugging_face import sample_script
@@ -65,3 +66,16 @@ def test_a_hugging_face_model_trains_on_two_processes_resumes_bitwise_and_export
         tmp_path / "full"
     )  # scripts/sample.py reads the run back
     assert trained.state_dict().keys() == model.state_dict().keys()
+    # a whole model: its tokenizer beside it, so both halves load from the run folder alone
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "full")
+    source = AutoTokenizer.from_pretrained(bpe_tokenizer)
+    text = "def f(x):\n    return x"
+    assert len(tokenizer) == len(source) == 320
+    assert tokenizer(text)["input_ids"] == source(text)["input_ids"]
+    assert tokenizer.eos_token == source.eos_token
+    saved = yaml.safe_load((tmp_path / "full" / "config.yaml").read_text())
+    assert saved["model"] == str(tiny_llama) and saved["tokenizer"] == str(
+        bpe_tokenizer
+    )  # as given
