@@ -56,7 +56,9 @@ def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
         "git_dirty",
         "mixed_precision",
     ):
-        assert key in info, key  # what docs/multi-node.md "Troubleshooting" says to compare between nodes
+        assert key in info, (
+            key
+        )  # what docs/multi-node.md "Troubleshooting" says to compare between nodes
     umask = os.umask(0)
     os.umask(umask)
     for path in (
