@@ -41,9 +41,8 @@ class Job:
             }
         )
         self.plumbing = TorchDDP(self.cfg)
-        self.plumbing.num_processes = (
-            world_size  # rank 0's view of a bigger world, without a process group
-        )
+        # rank 0's view of a bigger world, without a process group
+        self.plumbing.num_processes = world_size
         torch.manual_seed(0)
         self.model = build_model(self.cfg)
         self.optimizer = build_optimizer(self.model, self.cfg)

@@ -43,9 +43,8 @@ from errors import CheckpointError, first_line
 from plumbing import collectively, is_writer
 
 STEP_PREFIX = "step_"
-COMMITTED_NAME = re.compile(
-    r"step_\d{8}"
-)  # not step_N.tmp (being written) nor step_N.stale (being replaced)
+# not step_N.tmp (being written) nor step_N.stale (being replaced)
+COMMITTED_NAME = re.compile(r"step_\d{8}")
 MANIFEST = "manifest.json"
 
 
@@ -56,9 +55,8 @@ class TrainState:
 
     step: int = 0  # optimizer steps completed
     tracker_run_id: str = ""  # the W&B run to continue on resume
-    lr_decay_steps: int = (
-        0  # the LR schedule's horizon, fixed at the run's first start (see config.py)
-    )
+    # the LR schedule's horizon, fixed at the run's first start (see config.py)
+    lr_decay_steps: int = 0
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -157,9 +155,8 @@ class Sharded:
             set_optimizer_state_dict(self.module, self.optimizer, state)
 
     def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
-        self._dcp(
-            folder, name, load=False
-        )  # collective: every process its shards, rank 0 the metadata
+        # collective: every process its shards, rank 0 the metadata
+        self._dcp(folder, name, load=False)
 
     def check(self, folder: Path, name: str, plumbing) -> None:
         if not (folder / name).is_dir():
@@ -267,9 +264,8 @@ def checkpoint_parts(plumbing, model, optimizer, **others) -> dict:
 
 
 def is_sharded(module) -> bool:
-    fsdp = sys.modules.get(
-        "torch.distributed.fsdp"
-    )  # imported by whatever sharded the model (1.2 s to import)
+    # imported by whatever sharded the model (1.2 s to import)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
@@ -372,9 +368,8 @@ def node_ranks(plumbing, shared_filesystem: bool) -> range:
     ranks = range(plumbing.num_processes)
     if shared_filesystem:
         return ranks
-    per_node = int(
-        os.environ.get("LOCAL_WORLD_SIZE", len(ranks))
-    )  # torchrun and accelerate set these
+    # torchrun and accelerate set these
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))
     node = int(os.environ.get("GROUP_RANK", "0"))
     return range(node * per_node, (node + 1) * per_node)
 
@@ -428,9 +423,8 @@ def prune_checkpoints(output_dir: str, keep_last: int) -> None:
         shutil.rmtree(old)
     root = checkpoint_root(output_dir)
     for leftover in [*root.glob("*.tmp"), *root.glob("*.stale")]:
-        shutil.rmtree(
-            leftover, ignore_errors=True
-        )  # called right after a commit: no save is in flight
+        # called right after a commit: no save is in flight
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- read back
@@ -540,7 +534,8 @@ def export_model(plumbing, model, output_dir: str, save_extras=None) -> Path:
     path = Path(output_dir) / "model.safetensors"
     tmp = path.with_name(path.name + ".tmp")
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
-    weights, metadata = (module, None)
+    weights = module
+    metadata = None
     if is_sharded(module):
         weights, metadata = full_weights(module)
 
@@ -553,9 +548,8 @@ def export_model(plumbing, model, output_dir: str, save_extras=None) -> Path:
         module.save_pretrained(tmp, state_dict=None if weights is module else weights)
         if save_extras is not None:
             save_extras(tmp)
-        for file in sorted(
-            tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"
-        ):  # the weights last
+        # the weights last
+        for file in sorted(tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"):
             umask_mode(file)
             os.replace(file, path.parent / file.name)
         tmp.rmdir()

@@ -25,8 +25,8 @@ from errors import ConfigError
 TRACKERS = ("none", "wandb", "tensorboard")
 
 
-# frozen: a value is settled once (a changed value is a new config, dataclasses.replace), in main.train
-# before the loop: the run folder, then the LR horizon a resume keeps
+# frozen: a value is settled once (a changed value is a new config, dataclasses.replace), in
+# main.train before the loop: the run folder, then the LR horizon a resume keeps
 @dataclass(frozen=True)
 class TrainConfig:
     # ---- run
@@ -313,7 +313,9 @@ def saved_config(path) -> TrainConfig:
 
 
 def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
-    config_file, overrides, i = None, {}, 0
+    config_file = None
+    overrides = {}
+    i = 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
@@ -350,7 +352,8 @@ def _read_yaml(path: str) -> dict:
     return values or {}
 
 
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
 
 
 def _coerce(key: str, raw, type_name: str):

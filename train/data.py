@@ -166,9 +166,8 @@ def load_local_files(path: str, streaming: bool):
     builder = BUILDERS[Path(files[0]).suffix]
     try:
         return datasets.load_dataset(builder, data_files={"train": files}, streaming=streaming)
-    except (
-        Exception
-    ) as e:  # a malformed line, a wrong encoding: name the file type and the first cause
+    # a malformed line, a wrong encoding: name the file type and the first cause
+    except Exception as e:
         cause = e.__cause__ or e
         raise ConfigError(
             f"dataset '{path}' cannot be read as {builder} files: {first_line(cause)}"
@@ -215,9 +214,8 @@ def write_python_stdlib_corpus(folder: Path = DATA_DIR / "python_stdlib") -> Pat
         return target
     folder.mkdir(parents=True, exist_ok=True)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    tmp = (
-        folder / f".stdlib.jsonl.{os.getpid()}.tmp"
-    )  # several local ranks may race here: rename is atomic
+    # several local ranks may race here: rename is atomic
+    tmp = folder / f".stdlib.jsonl.{os.getpid()}.tmp"
     with open(tmp, "w") as out:
         for path in sorted(stdlib.glob("*.py")):
             text = path.read_text(encoding="utf-8", errors="replace")

@@ -128,13 +128,13 @@ class StopSignals:
     start-up, stop at once (Preempted); in the loop the ranks vote at logging steps and all stop at
     the same step. 2nd Ctrl-C: now."""
 
-    PREEMPTED_EXIT_CODE = (
-        75  # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
-    )
+    # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
+    PREEMPTED_EXIT_CODE = 75
     INTERRUPTED_EXIT_CODE = 130  # Ctrl-C: stopped with a checkpoint, but nobody asked for a requeue
 
     def __init__(self):
-        self.signal_name, self.loop_running = None, False
+        self.signal_name = None
+        self.loop_running = False
 
     def install(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
@@ -178,9 +178,8 @@ def load_checked_config(argv) -> TrainConfig:
     cfg = load_config(argv)
     check_sources(cfg)  # --resume, --init_from
     check_dataset_name(cfg.dataset)
-    check_model_and_tokenizer(
-        cfg
-    )  # a Hugging Face model and tokenizer: their small config files only
+    # a Hugging Face model and tokenizer: their small config files only
+    check_model_and_tokenizer(cfg)
     return cfg
 
 
@@ -197,11 +196,12 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
         code = stopped_before_training(cfg, plumbing)
     except KeyboardInterrupt:  # the second Ctrl-C: stop now, without a checkpoint
         code = StopSignals.INTERRUPTED_EXIT_CODE
+    # OSError: a full disk or a permission problem, on any write
     except (
         ConfigError,
         RunError,
         OSError,
-    ) as e:  # OSError: a full disk or a permission problem, on any write
+    ) as e:
         exit_with_error(e)
     except RuntimeError as e:
         if (
@@ -243,15 +243,12 @@ def exit_with_error(error: Exception) -> None:
     before they repeat it; an error that is theirs alone (a file missing on one node) still
     shows."""
     if os.environ.get("RANK", "0") != "0":
-        if (
-            stop_signals.signal_name == "SIGTERM"
-        ):  # the launcher is already stopping the job for another rank
+        # the launcher is already stopping the job for another rank
+        if stop_signals.signal_name == "SIGTERM":
             sys.exit(getattr(error, "exit_code", 1))
-        signal.signal(
-            signal.SIGTERM, signal.SIG_DFL
-        )  # the launcher's kill is not a preemption here
+        # the launcher's kill is not a preemption here
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(OTHER_RANKS_ERROR_DELAY_S)
-    # noqa: T201 - our messages, and OSError's, are one line
     print(f"error: {error}", file=sys.stderr)  # noqa: T201 - the job's one line
     # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root Cause":
     # our line

@@ -25,9 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from errors import ConfigError, first_line
 
 BYTE_VOCAB_SIZE = 256  # the "bytes" tokenizer: every UTF-8 byte is a token, nothing to download
-LOCAL_MODEL = (
-    "gpt"  # --model's value for model.py's build_model (anything else is a Hugging Face model)
-)
+# --model's value for model.py's build_model (anything else is a Hugging Face model)
+LOCAL_MODEL = "gpt"
 
 
 # ---------------------------------------------------------------- the loss and the evaluation columns
@@ -75,9 +74,8 @@ def eval_metrics(totals: dict[str, float]) -> dict[str, float]:
     """The reported values from the eval set's column sums (eval_columns)."""
     tokens = max(totals["tokens"], 1.0)
     metrics = {f"eval_{name}": total / tokens for name, total in totals.items() if name != "tokens"}
-    metrics["eval_perplexity"] = math.exp(
-        min(metrics["eval_loss"], 50)
-    )  # capped: a diverged run stays finite
+    # capped: a diverged run stays finite
+    metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50))
     return metrics
 
 

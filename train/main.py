@@ -138,16 +138,14 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         train_set, eval_set = build_datasets(cfg)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     check_data_size(train_set, global_batch, cfg)
-    cfg = claim_run_folder(
-        cfg, accelerator
-    )  # settles output_dir and locks it: one job per run folder
+    # settles output_dir and locks it: one job per run folder
+    cfg = claim_run_folder(cfg, accelerator)
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     sampler = None
     train_loader = None  # streaming: each process reads its own share of the stream (streaming.py)
     if not cfg.streaming:
-        sampler = EpochSampler(
-            len(train_set), cfg.seed, global_batch
-        )  # the order: a function of (seed, epoch)
+        # the order: a function of (seed, epoch)
+        sampler = EpochSampler(len(train_set), cfg.seed, global_batch)
         train_loader = DataLoader(
             fast_reader(train_set), sampler=sampler, drop_last=True, **loader_options(cfg)
         )
@@ -170,14 +168,12 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         batches = StreamBatches(train_set, cfg, accelerator)
     else:
         batches = TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
-    check_loss_contract(
-        model, first_eval_batch(eval_set, accelerator.device)
-    )  # .loss is what eval reports
+    # .loss is what eval reports
+    check_loss_contract(model, first_eval_batch(eval_set, accelerator.device))
     if cfg.compile:
         model = torch.compile(model)
-    seed_everything(
-        cfg.seed + accelerator.process_index
-    )  # dropout masks differ per rank, as they should
+    # dropout masks differ per rank, as they should
+    seed_everything(cfg.seed + accelerator.process_index)
     # ---------------------------------------------------------------- resume
     state = TrainState()
     # a stream's position is each process's own, and only resumes at the same world size
@@ -186,12 +182,10 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     # a fork's own state is one more line here, e.g. parts["ema"] = ema_model: saved, restored and
     # pruned with the rest
     identity = data_identity(cfg, train_set)  # what a resume must find unchanged
-    cfg = resume_or_start(
-        accelerator, cfg, parts, identity, log
-    )  # the config is settled from here on
-    state.tracker_run_id = (
-        state.tracker_run_id or new_run_id()
-    )  # a resumed run continues its W&B run
+    # the config is settled from here on
+    cfg = resume_or_start(accelerator, cfg, parts, identity, log)
+    # a resumed run continues its W&B run
+    state.tracker_run_id = state.tracker_run_id or new_run_id()
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     log.start(cfg, state.step, run_info(cfg, accelerator, plain_model, train_set, eval_set))
     log.start_trackers(state.tracker_run_id, state.step)
@@ -203,12 +197,10 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         accelerator.num_processes,
         accelerator.mixed_precision,
     )
-    stop_signals.loop_running = (
-        True  # from now on a signal means: checkpoint at the next logging step, then stop
-    )
-    bad_grad_steps = torch.zeros(
-        (), device=accelerator.device
-    )  # counted on the device: no sync per step
+    # from now on a signal means: checkpoint at the next logging step, then stop
+    stop_signals.loop_running = True
+    # counted on the device: no sync per step
+    bad_grad_steps = torch.zeros((), device=accelerator.device)
     # ---------------------------------------------------------------- loop
     model.train()
     while state.step < cfg.max_steps:
@@ -219,14 +211,12 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
                 loss = model(**next(batches)).loss
                 accelerator.backward(loss)  # divides by grad_accum_steps (and scales, for fp16)
                 step_loss += loss.detach() / cfg.grad_accum_steps
-                if (
-                    accelerator.sync_gradients
-                ):  # the last micro-step: clip, set this step's LR, update
+                # the last micro-step: clip, set this step's LR, update
+                if accelerator.sync_gradients:
                     max_norm = cfg.max_grad_norm or math.inf
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                    grad_norm = full_tensor(
-                        grad_norm
-                    )  # FSDP: a DTensor; the same value on every rank
+                    # FSDP: a DTensor; the same value on every rank
+                    grad_norm = full_tensor(grad_norm)
                     bad_grad_steps += ~torch.isfinite(grad_norm)
                     lr = set_lr(optimizer, lr_at(state.step, cfg))
                     optimizer.step()
@@ -236,9 +226,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         is_last = state.step == cfg.max_steps
         stopping = False
         saving = (cfg.save_every and state.step % cfg.save_every == 0) or is_last
-        if (
-            state.step % cfg.log_every == 0 or saving
-        ):  # the loop waits for the GPU here only, so it runs ahead
+        # the loop waits for the GPU here only, so it runs ahead
+        if state.step % cfg.log_every == 0 or saving:
             # over micro-steps, then over ranks; checked before every save, so no broken weights are
             # committed
             reduced = accelerator.reduce(torch.stack([step_loss, bad_grad_steps]), "mean")
@@ -254,13 +243,11 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
                     **throughput.report(),
                 },
             )
-            if (
-                not math.isfinite(mean_loss) or bad_grads
-            ):  # the same reduced values on every rank: all stop
+            # the same reduced values on every rank: all stop
+            if not math.isfinite(mean_loss) or bad_grads:
                 raise TrainingDiverged(state.step, mean_loss, latest_checkpoint(cfg.output_dir))
-            stopping = stop_signals.requested(
-                accelerator
-            )  # collective: every rank stops at the same step
+            # collective: every rank stops at the same step
+            stopping = stop_signals.requested(accelerator)
         log.advance()
         if state.step % cfg.eval_every == 0 or is_last:
             log.log(state.step, evaluate(model, eval_loader, accelerator))

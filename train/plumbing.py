@@ -30,9 +30,8 @@ class Plumbing(Protocol):
     process_index: int  # global rank
     is_main_process: bool  # global rank 0: writes the run's files, logs to trackers
     is_local_main_process: bool  # local rank 0: the progress bar, per-node files
-    mixed_precision: (
-        str  # "no" | "bf16" | "fp16", as resolved (the launcher's setting or the config's)
-    )
+    # "no" | "bf16" | "fp16", as resolved (the launcher's setting or the config's)
+    mixed_precision: str
     sync_gradients: bool  # inside accumulate(): whether this micro-step ends an optimizer step
     scaler: torch.amp.GradScaler | None  # fp16's loss scaler (then a checkpoint part)
     trackers: list  # the started trackers (tracking.py finishes them)
@@ -92,12 +91,10 @@ def init_process_group(timeout_s: int) -> None:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        torch.cuda.set_device(
-            int(os.environ.get("LOCAL_RANK", "0"))
-        )  # before NCCL: one GPU per process
-    agent_hosts_store = (
-        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    )  # else rank 0 hosts it
+        # before NCCL: one GPU per process
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # else rank 0 hosts it
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],

@@ -159,8 +159,8 @@ def resume_from(plumbing, cfg, folder: Path, parts: dict, identity: dict) -> str
 
 
 def check_same_run(folder: Path, about: dict, now: dict, cfg, identity: dict) -> None:
-    """Refuse a checkpoint whose global batch, block size or data differ from this run's, or that is past
-    max_steps: the data position would not continue exactly."""
+    """Refuse a checkpoint whose global batch, block size or data differ from this run's, or that is
+    past max_steps: the data position would not continue exactly."""
     saved = about["run"]
     if any(saved[key] != now[key] for key in ("global_batch", "block_size")):
         raise CheckpointError(

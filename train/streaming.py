@@ -98,9 +98,8 @@ class StreamBatches:
                 break
         else:
             self._source_done = True
-        self._source_state = copy.deepcopy(
-            self.documents.state_dict()
-        )  # just after the last row read
+        # just after the last row read
+        self._source_state = copy.deepcopy(self.documents.state_dict())
         if not rows:
             return
         columns = {key: [row[key] for row in rows] for key in rows[0]}

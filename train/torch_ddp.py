@@ -44,7 +44,8 @@ class TorchDDP:
         self.num_processes = int(os.environ.get("WORLD_SIZE", "1"))
         self.process_index = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.is_main_process, self.is_local_main_process = self.process_index == 0, local_rank == 0
+        self.is_main_process = self.process_index == 0
+        self.is_local_main_process = local_rank == 0
         self.device = (
             torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
         )
@@ -54,16 +55,15 @@ class TorchDDP:
         if self.distributed:
             init_process_group(cfg.dist_timeout_s)
             check_world_size(dist.get_world_size())
-        self.mixed_precision = (
-            cfg.mixed_precision or "no"
-        )  # torchrun has no precision setting of its own
-        self.scaler = (
-            None  # fp16, the one precision that needs a loss scaler, is refused on this path (main)
-        )
-        self.sync_gradients, self.trackers, self._micro_step = True, [], 0
-        self._real_samples = (
-            None  # while a loader yields an eval set's padded last batch: its real samples
-        )
+        # torchrun has no precision setting of its own
+        self.mixed_precision = cfg.mixed_precision or "no"
+        # fp16, the one precision that needs a loss scaler, is refused on this path (main)
+        self.scaler = None
+        self.sync_gradients = True
+        self.trackers = []
+        self._micro_step = 0
+        # while a loader yields an eval set's padded last batch: its real samples
+        self._real_samples = None
 
     def prepare(self, *objects):
         names = {
@@ -73,9 +73,8 @@ class TorchDDP:
             for n, p in obj.named_parameters()
         }
         prepared = tuple(self._prepare(obj) for obj in objects)
-        if (
-            self.cfg.fsdp != "no"
-        ):  # fully_shard replaced each parameter by a sharded one: the optimizer must step those
+        # fully_shard replaced each parameter by a sharded one: the optimizer must step those
+        if self.cfg.fsdp != "no":
             sharded = {
                 n: p
                 for obj in prepared
@@ -128,9 +127,8 @@ class TorchDDP:
             if self.mixed_precision == "bf16"
             else MixedPrecisionPolicy()
         )
-        for block in transformer_blocks(
-            model, "fsdp"
-        ):  # one all-gather per block in forward and in backward
+        # one all-gather per block in forward and in backward
+        for block in transformer_blocks(model, "fsdp"):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         return fully_shard(model, mesh=mesh, mp_policy=policy)
 
@@ -140,9 +138,8 @@ class TorchDDP:
         step."""
         self._micro_step += 1
         self.sync_gradients = self._micro_step % self.cfg.grad_accum_steps == 0
-        if (
-            self.cfg.fsdp != "no"
-        ):  # FSDP2 has no no_sync(): it is told whether to reduce-scatter the gradients
+        # FSDP2 has no no_sync(): it is told whether to reduce-scatter the gradients
+        if self.cfg.fsdp != "no":
             model.set_requires_gradient_sync(self.sync_gradients)
             yield
         else:
@@ -150,14 +147,12 @@ class TorchDDP:
                 yield
 
     def backward(self, loss: torch.Tensor) -> None:
-        (
-            loss / self.cfg.grad_accum_steps
-        ).backward()  # the step's gradient is the micro-steps' mean
+        # the step's gradient is the micro-steps' mean
+        (loss / self.cfg.grad_accum_steps).backward()
 
     def clip_grad_norm_(self, parameters, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(
-            parameters, max_norm
-        )  # FSDP: a DTensor, as accelerate returns it
+        # FSDP: a DTensor, as accelerate returns it
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     def reduce(self, tensor: torch.Tensor, reduction: str) -> torch.Tensor:
         if not self.distributed:
@@ -236,7 +231,8 @@ class Autocast(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, device_type: str):
         super().__init__()
-        self.module, self.device_type = module, device_type
+        self.module = module
+        self.device_type = device_type
 
     def forward(self, *args, **kwargs):
         with torch.autocast(device_type=self.device_type, dtype=torch.bfloat16):
@@ -248,7 +244,8 @@ class ShardedLoader:
     loader)."""
 
     def __init__(self, loader: DataLoader, plumbing: TorchDDP):
-        self.plumbing, self.sampler = plumbing, loader.sampler
+        self.plumbing = plumbing
+        self.sampler = loader.sampler
         self.batches = RankBatches(
             loader.sampler,
             loader.batch_size,
@@ -285,12 +282,10 @@ class RankBatches(Sampler[list[int]]):
     (gather_for_metrics drops them)."""
 
     def __init__(self, sampler, batch_size: int, world: int, rank: int, drop_last: bool):
-        self.sampler, self.batch_size, self.rank, self.drop_last = (
-            sampler,
-            batch_size,
-            rank,
-            drop_last,
-        )
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.rank = rank
+        self.drop_last = drop_last
         self.span = batch_size * world
 
     def __iter__(self):

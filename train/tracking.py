@@ -30,10 +30,14 @@ PREEMPTED_MARKER = "preempted.json"
 
 class MetricsLogger:
     def __init__(self, cfg: TrainConfig, plumbing):
-        self.cfg, self.plumbing = cfg, plumbing
-        self.enabled, self.show_progress = plumbing.is_main_process, plumbing.is_local_main_process
+        self.cfg = cfg
+        self.plumbing = plumbing
+        self.enabled = plumbing.is_main_process
+        self.show_progress = plumbing.is_local_main_process
         self.output_dir = Path(cfg.output_dir)
-        self.metrics_file, self.bar, self.tracker_failed = None, None, False
+        self.metrics_file = None
+        self.bar = None
+        self.tracker_failed = False
 
     def start(self, cfg: TrainConfig, step: int, run_info: dict) -> None:
         """Write config.yaml (the config as the resume settled it) and run_info.json; keep
@@ -61,15 +65,12 @@ class MetricsLogger:
         (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run is the requeued one
         path = self.output_dir / "metrics.jsonl"
         logged = path.read_text().splitlines(keepends=True) if path.exists() else []
-        path.write_text(
-            "".join(line for line in logged if _step_of(line) <= step)
-        )  # a resume re-logs the rest
-        self.metrics_file = open(
-            path, "a", buffering=1
-        )  # line-buffered: readable while training runs
-        atexit.register(
-            self.close
-        )  # trackers are finished on every way out, errors included (W&B hangs otherwise)
+        # a resume re-logs the rest
+        path.write_text("".join(line for line in logged if _step_of(line) <= step))
+        # line-buffered: readable while training runs
+        self.metrics_file = open(path, "a", buffering=1)
+        # trackers are finished on every way out, errors included (W&B hangs otherwise)
+        atexit.register(self.close)
         for key, value in run_info.items():
             self.info(f"{key}: {value}")
 
@@ -98,9 +99,8 @@ class MetricsLogger:
                     project, config=asdict(self.cfg), init_kwargs={"wandb": wandb_kwargs}
                 )
                 break
-            except (
-                Exception
-            ) as e:  # no API key, no network, server down, no rewind: training goes on
+            # no API key, no network, server down, no rewind: training goes on
+            except Exception as e:
                 if "wandb" not in names:
                     raise
                 finish_trackers(self.plumbing)
@@ -235,7 +235,8 @@ class Throughput:
         num_processes: int,
         mixed_precision: str,
     ):
-        self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
+        self.samples_per_step = samples_per_step
+        self.tokens_per_step = tokens_per_step
         self.on_gpu = torch.cuda.is_available()
         peak = peak_flops_per_gpu(torch.cuda.get_device_name()) if self.on_gpu else None
         # MFU is against the bf16 tensor-core peak, so only quoted for bf16/fp16 runs; none on CPU
@@ -244,7 +245,8 @@ class Throughput:
         self.restart()
 
     def restart(self) -> None:  # after eval and checkpoints, which are not training time
-        self.start, self.steps = time.perf_counter(), 0
+        self.start = time.perf_counter()
+        self.steps = 0
 
     def step(self) -> None:
         self.steps += 1
@@ -258,9 +260,8 @@ class Throughput:
         }
         if self.peak_flops:
             rates["mfu"] = rates["tokens_per_s"] * self.flops_per_token / self.peak_flops
-        if (
-            self.on_gpu
-        ):  # this process's (rank 0's, in metrics.jsonl): what DDP replicates and FSDP shards
+        # this process's (rank 0's, in metrics.jsonl): what DDP replicates and FSDP shards
+        if self.on_gpu:
             rates["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         else:  # the process's peak resident memory, libraries included (Linux reports KiB)
             rates["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
