@@ -163,9 +163,8 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
             rest += argv[i : i + 2]
             i += 1
         i += 1
-    steps = (
-        1 + opts["rounds"] * opts["block"]
-    )  # the first step of each variant runs before the baton
+    # the first step of each variant runs before the baton
+    steps = 1 + opts["rounds"] * opts["block"]
     defaults = [
         "--config",
         str(REPO / "train/configs/tiny.yaml"),
@@ -214,9 +213,8 @@ class Baton:
                     return  # its last block: it keeps the baton until its train() has returned (finish)
                 self._hand_over()
             else:
-                self.ready.add(
-                    name
-                )  # its first step: set-up is over; the next variant may start its own
+                # its first step: set-up is over; the next variant may start its own
+                self.ready.add(name)
                 self.cond.notify_all()
                 if len(self.ready) == len(self.names):
                     self._hand_over()
@@ -302,13 +300,11 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         for name in variants
     }  # parsed and checked here, before any thread
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        init_process_group(
-            cfg.dist_timeout_s
-        )  # once, for every variant: each plumbing would start its own
+        # once, for every variant: each plumbing would start its own
+        init_process_group(cfg.dist_timeout_s)
         accelerate_main.init_process_group = torch_ddp.init_process_group = lambda timeout_s: None
-    with (
-        _rank_zero_first()
-    ):  # it fills the datasets cache, which the other ranks (and the variants) then read
+    # it fills the datasets cache, which the other ranks (and the variants) then read
+    with _rank_zero_first():
         sample = data.build_datasets(cfg)[0][:FINAL_LOSS_BLOCKS]["input_ids"]
     block = opts["block"]
     baton = Baton(variants, block, opts["rounds"])
@@ -363,9 +359,8 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
 
     with tempfile.TemporaryDirectory() as own_folder:
         shared = [own_folder]
-        if (
-            dist.is_initialized()
-        ):  # the ranks of each variant share one run folder, as a job's ranks do
+        # the ranks of each variant share one run folder, as a job's ranks do
+        if dist.is_initialized():
             dist.broadcast_object_list(shared)
         workdir = Path(shared[0])
         batches.TrainBatches.__next__ = streaming.StreamBatches.__next__ = timed_next
@@ -376,9 +371,8 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
                     threading.Thread(target=run, args=(name, workdir), name=name)
                     for name in variants
                 ]
-                for thread in (
-                    threads
-                ):  # set-up and first step alone: collectives meet in one order on every rank,
+                # set-up and first step alone: collectives meet in one order on every rank,
+                for thread in threads:
                     thread.start()  # and datasets' and tokenizers' first calls need no thread safety
                     if not baton.wait_until_ready(thread.name):
                         break
@@ -506,18 +500,16 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     from data import build_datasets
     from lm import vocab_size
 
-    spec = importlib.util.spec_from_file_location(
-        "nanogpt_model", checkout / "model.py"
-    )  # ours is `model` too
+    # ours is `model` too
+    spec = importlib.util.spec_from_file_location("nanogpt_model", checkout / "model.py")
     nanogpt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(nanogpt)
     GPT, GPTConfig = nanogpt.GPT, nanogpt.GPTConfig  # noqa: N806 - nanoGPT's names
 
     world_size, rank = _world()
     train_set, _ = build_datasets(cfg)
-    path = (
-        Path(workdir) / f"nanogpt_train_{rank}.bin"
-    )  # nanoGPT's format: the token stream as uint16
+    # nanoGPT's format: the token stream as uint16
+    path = Path(workdir) / f"nanogpt_train_{rank}.bin"
     np.asarray(train_set[:]["input_ids"], dtype=np.uint16).reshape(-1).tofile(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)

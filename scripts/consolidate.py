@@ -32,16 +32,14 @@ def consolidate(checkpoint: Path, out: Path) -> None:
             f"model.safetensors is already one file"
         )
     cfg = saved_config(checkpoint / "config.yaml")
-    cfg = replace(
-        cfg, model_weights="config"
-    )  # a Hugging Face model: its architecture; the shards hold the weights
+    # a Hugging Face model: its architecture; the shards hold the weights
+    cfg = replace(cfg, model_weights="config")
     model = build_causal_lm(cfg, build_model)
     state = {
         "model": model.state_dict()
     }  # the keys the shards were saved under; read into the model in place
-    with (
-        warnings.catch_warnings()
-    ):  # "no process group: loading in a single process", which is the point
+    # "no process group: loading in a single process", which is the point
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=checkpoint / "model")
     save_safetensors(model, out)

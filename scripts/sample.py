@@ -41,9 +41,8 @@ def load_trained(folder: Path):
         )
         raise ConfigError(f"{folder} has no model.safetensors{hint}")
     cfg = saved_config(folder / "config.yaml")
-    cfg = replace(
-        cfg, model_weights="config"
-    )  # the architecture only: the folder's weights replace the first
+    # the architecture only: the folder's weights replace the first
+    cfg = replace(cfg, model_weights="config")
     model = build_causal_lm(cfg, build_model)
     check_weights(weights, model)  # another shape: one line naming what differs
     load_model(model, str(weights))

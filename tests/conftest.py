@@ -85,9 +85,8 @@ def tiny_args(output_dir: Path, dataset: Path, **overrides) -> list[str]:
     return args
 
 
-WORKER_EXCEPTION = re.compile(
-    r"(\[rank\d+\]:\s*)?\w+(Error|Exception): "
-)  # the last line of a worker's traceback
+# the last line of a worker's traceback
+WORKER_EXCEPTION = re.compile(r"(\[rank\d+\]:\s*)?\w+(Error|Exception): ")
 WORKER_CRASH = re.compile(
     r"terminate called|what\(\):|Fatal Python error|Segmentation fault|core dumped"
 )
@@ -165,9 +164,8 @@ def run(
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(
-                proc.pid, signal.SIGABRT
-            )  # PYTHONFAULTHANDLER: every process prints where it hangs
+            # PYTHONFAULTHANDLER: every process prints where it hangs
+            os.killpg(proc.pid, signal.SIGABRT)
             try:
                 out, _ = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:
@@ -401,3 +399,16 @@ def tiny_llama(tmp_path_factory, bpe_tokenizer) -> Path:
     return save_tiny_llama(
         tmp_path_factory.mktemp("llama"), len(AutoTokenizer.from_pretrained(bpe_tokenizer))
     )
+
+
+def model_declares_blocks() -> bool:
+    """Whether model.py's model names its repeated blocks (_no_split_modules), which FSDP shards and
+    activation checkpointing recomputes one by one. A fork's model without blocks skips those tests."""
+    from config import TrainConfig
+    from model import build_model
+
+    model = build_model(TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8))
+    return bool(getattr(model, "_no_split_modules", None))
+
+
+NEEDS_BLOCKS = "model.py's model declares no blocks (_no_split_modules): FSDP and activation checkpointing need them"

@@ -86,9 +86,8 @@ def global_steps(world, batch, accum, steps, start=None, n=90, seed=5):
 
 
 def test_a_resume_on_another_world_size_continues_with_the_same_samples_in_every_step():
-    uninterrupted, _ = global_steps(
-        world=2, batch=8, accum=1, steps=14
-    )  # 90 // 16 = 5 steps an epoch
+    # 90 // 16 = 5 steps an epoch
+    uninterrupted, _ = global_steps(world=2, batch=8, accum=1, steps=14)
     _, position = global_steps(world=2, batch=8, accum=1, steps=7)
     assert position == {"micro_batches": 7, "samples_per_micro_batch": 16}
     for world, batch, accum in [(4, 4, 1), (1, 16, 1), (1, 8, 2), (2, 2, 4)]:

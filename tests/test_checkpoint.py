@@ -180,9 +180,8 @@ def test_a_part_a_fork_registers_is_saved_restored_bitwise_and_pruned_with_the_r
     assert not same_tensors(fresh_ema.module.state_dict(), fresh.model.state_dict())
 
     without_ema = Job(tmp_path / "plain")
-    assert (
-        without_ema.load(root / "step_00000006") == ""
-    )  # a part the run does not have is left alone
+    # a part the run does not have is left alone
+    assert without_ema.load(root / "step_00000006") == ""
     with pytest.raises(
         CheckpointError, match="has no part ema .*it holds data, model, optimizer, rng, train_state"
     ):
@@ -214,9 +213,8 @@ def test_another_world_size_with_the_same_global_batch_resumes_and_another_globa
             Job(tmp_path / f"w{world_size}", world_size=world_size, batch_size=batch_size).load(
                 path
             )
-    longer = Job(
-        tmp_path / "longer", world_size=2, batch_size=8, block_size=16
-    )  # same global batch
+    # same global batch
+    longer = Job(tmp_path / "longer", world_size=2, batch_size=8, block_size=16)
     with pytest.raises(CheckpointError, match="block_size 8, this run has 16 and 16"):
         longer.load(path)
 
@@ -353,12 +351,10 @@ def test_a_crash_between_the_two_renames_of_a_resave_leaves_a_resumable_folder(t
     job = Job(tmp_path)
     job.save(4)
     path = job.save(8)
-    os.replace(
-        path, path.with_name(path.name + ".stale")
-    )  # the first rename happened, then the crash
-    assert (
-        latest_checkpoint(job.cfg.output_dir).name == "step_00000004"
-    )  # .stale is never parsed as a step
+    # the first rename happened, then the crash
+    os.replace(path, path.with_name(path.name + ".stale"))
+    # .stale is never parsed as a step
+    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000004"
     job.set(resume="latest")
     state, _ = job.resume()
     assert state.step == 8 and latest_checkpoint(job.cfg.output_dir) == path  # put back at start-up
@@ -411,18 +407,16 @@ def test_resume_refuses_other_data_and_init_from_takes_the_weights_only(tmp_path
     state, log = fresh.resume({**IDENTITY, key: value})
     assert state.step == 0 and any("init_from" in line for line in log.lines)
     assert same_tensors(fresh.model.state_dict(), job.model.state_dict())
-    assert torch.equal(
-        fresh.optimizer.state_dict()["state"][0]["exp_avg"], own_moments
-    )  # not the checkpoint's
+    # not the checkpoint's
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"], own_moments)
 
 
 def test_any_failure_on_a_process_fails_the_save_everywhere(tmp_path, monkeypatch):
     job = Job(tmp_path)
 
     def broken_state(*_args):
-        raise TypeError(
-            "cannot pickle 'generator' object"
-        )  # not an OSError: before, the others waited forever
+        # not an OSError: before, the others waited forever
+        raise TypeError("cannot pickle 'generator' object")
 
     monkeypatch.setattr(checkpoint.ProcessRNG, "state_dict", broken_state)
     with pytest.raises(RunError, match="cannot pickle"):

@@ -154,9 +154,8 @@ def test_a_path_typo_that_looks_like_a_hub_name_fails_at_once(tmp_path, monkeypa
         r"'corpora/': a typo in the path\?\)",
     ):
         load_checked_config(["--dataset", "corpora/my_text"])
-    assert (
-        load_checked_config(["--dataset", "owner/name"]).dataset == "owner/name"
-    )  # still a hub name
+    # still a hub name
+    assert load_checked_config(["--dataset", "owner/name"]).dataset == "owner/name"
 
 
 @pytest.mark.parametrize("script", ["train/main.py", "train/torch_ddp.py", "data/prepare.py"])
@@ -168,9 +167,8 @@ def test_help_names_the_script_and_shows_whole_comments(tmp_path, script):
         for line in result.output.splitlines()
         if line.strip().startswith("--shared_filesystem")
     )
-    assert line.rstrip().endswith(
-        "data prepared and checkpoints kept on every node"
-    )  # the comment's 2nd line too
+    # the comment's 2nd line too
+    assert line.rstrip().endswith("data prepared and checkpoints kept on every node")
     precision = next(
         line for line in result.output.splitlines() if line.strip().startswith("--mixed_precision")
     )

@@ -13,9 +13,8 @@ from config import TrainConfig
 from conftest import REPO, SESSION_HF_HOME, run_python, write_corpus
 from errors import ConfigError
 
-pytestmark = (
-    pytest.mark.shipped
-)  # the shipped data.py: a fork that replaces it adapts or deletes these
+# the shipped data.py: a fork that replaces it adapts or deletes these
+pytestmark = pytest.mark.shipped
 
 
 def cfg_for(dataset, **kw):
@@ -141,7 +140,6 @@ def test_prepare_script_fills_the_cache_a_run_then_reuses(tmp_path):
     assert "train and" in result.output and "cached for training" in result.output
     before = set(SESSION_HF_HOME.rglob("*.arrow"))
     train, _ = data.build_datasets(cfg_for(path))
-    assert (
-        set(SESSION_HF_HOME.rglob("*.arrow")) == before
-    )  # the run packed nothing new: it reused the cache
+    # the run packed nothing new: it reused the cache
+    assert set(SESSION_HF_HOME.rglob("*.arrow")) == before
     assert {f["filename"] for f in train.cache_files} <= {str(p) for p in before}

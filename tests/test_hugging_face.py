@@ -54,12 +54,10 @@ def test_documents_end_with_eos_and_ids_take_the_narrowest_unsigned_type(corpus,
         ["--dataset", str(corpus), "--block_size", "32", "--tokenizer", str(bpe_tokenizer)]
     )
     train, _ = data.build_datasets(cfg)
-    assert (
-        str(train.features["input_ids"].feature.dtype) == "uint16"
-    )  # on disk: 2 bytes a token, not 8
-    assert (
-        lm.vocab_size(cfg) == 320 and build_model(cfg).lm_head.weight.shape[0] == 320
-    )  # the GPT fits it
+    # on disk: 2 bytes a token, not 8
+    assert str(train.features["input_ids"].feature.dtype) == "uint16"
+    # the GPT fits it
+    assert lm.vocab_size(cfg) == 320 and build_model(cfg).lm_head.weight.shape[0] == 320
     assert data.pack({"text": ["ab"]}, "text", 1)["input_ids"].dtype == np.uint8  # bytes, as before
 
 

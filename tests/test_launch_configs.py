@@ -6,8 +6,9 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.launch import prepare_multi_gpu_env
 
-from conftest import REPO
-from model import GPT
+from config import TrainConfig
+from conftest import NEEDS_BLOCKS, REPO, model_declares_blocks
+from model import build_model
 
 CONFIGS = REPO / "accelerate_configs"
 
@@ -64,9 +65,13 @@ def test_the_fsdp_configs_launch_fsdp2_sharded_by_the_models_blocks(
         if key.startswith(("FSDP_", "ACCELERATE_")):
             monkeypatch.setenv(key, value)
     plugin = FullyShardedDataParallelPlugin()
-    plugin.set_auto_wrap_policy(GPT(vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    assert plugin.fsdp_version == 2
+    if not model_declares_blocks():
+        pytest.skip(NEEDS_BLOCKS)
+    model = build_model(TrainConfig(n_layer=2, n_head=2, n_embd=16, block_size=8))
+    plugin.set_auto_wrap_policy(model)  # accelerate wraps what the model's _no_split_modules names
     wrapped = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
-    assert plugin.fsdp_version == 2 and [c.__name__ for c in wrapped] == ["Block"]
+    assert [c.__name__ for c in wrapped] == model._no_split_modules
 
 
 @pytest.mark.parametrize("name", ["2node.yaml", "2node_hsdp.yaml"])

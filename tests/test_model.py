@@ -11,9 +11,8 @@ from lm import BYTE_VOCAB_SIZE as VOCAB_SIZE
 from lm import causal_lm_loss, checkpoint_activations
 from model import build_model
 
-pytestmark = (
-    pytest.mark.shipped
-)  # the shipped GPT: a fork that swaps the model adapts or deletes these
+# the shipped GPT: a fork that swaps the model adapts or deletes these
+pytestmark = pytest.mark.shipped
 
 
 def tiny_cfg(**kw):
@@ -99,6 +98,5 @@ def test_activation_checkpointing_recomputes_the_same_loss_and_gradients_with_th
         torch.equal(a.grad, b.grad)
         for a, b in zip(plain.parameters(), recomputed.parameters(), strict=True)
     )
-    assert (
-        plain.state_dict().keys() == recomputed.state_dict().keys()
-    )  # checkpoints and exports unchanged
+    # checkpoints and exports unchanged
+    assert plain.state_dict().keys() == recomputed.state_dict().keys()

@@ -63,9 +63,8 @@ def test_both_plumbings_satisfy_the_contract_with_compatible_signatures(which, a
             for p in params
             if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty
         }
-        inspect.signature(getattr(plumbing, name)).bind(
-            *args, **kwargs
-        )  # raises TypeError if it does not fit
+        # raises TypeError if it does not fit
+        inspect.signature(getattr(plumbing, name)).bind(*args, **kwargs)
 
 
 def test_prepare_takes_any_objects_like_accelerate():
@@ -111,6 +110,5 @@ def test_gather_for_metrics_takes_nested_data_and_keeps_no_state():
         assert torch.equal(first, again)
         kept.append(first)
     assert [k.tolist() for k in kept] == [[0.0, 1.0], [4.0]]
-    assert torch.equal(
-        plumbing.gather_for_metrics(torch.ones(2)), torch.ones(2)
-    )  # outside the last batch: all
+    # outside the last batch: all
+    assert torch.equal(plumbing.gather_for_metrics(torch.ones(2)), torch.ones(2))

@@ -13,9 +13,9 @@ import checkpoint
 import resume as resuming
 from checkpoint import TrainState
 from config import TrainConfig
-from conftest import free_port
+from conftest import NEEDS_BLOCKS, free_port, model_declares_blocks
 from errors import CheckpointError, ConfigError
-from lm import checkpoint_activations
+from lm import checkpoint_activations, transformer_blocks
 from model import build_model
 from optim import build_optimizer
 from torch_ddp import TorchDDP
@@ -68,6 +68,8 @@ def snapshot(model, optimizer):
 
 
 def sharded_job(tmp_path, **kw):
+    if not model_declares_blocks():
+        pytest.skip(NEEDS_BLOCKS)
     cfg = cfg_for(tmp_path, fsdp="full", **kw)
     plumbing = TorchDDP(cfg)
     torch.manual_seed(0)
@@ -82,16 +84,17 @@ def test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
+    if not model_declares_blocks():
+        pytest.skip(NEEDS_BLOCKS)
     cfg = cfg_for(tmp_path, fsdp="full")
     plumbing = TorchDDP(cfg)
     model = build_model(cfg)
-    checkpoint_activations(
-        model
-    )  # as train() does with --activation_checkpointing true: it composes with FSDP
+    # as train() does with --activation_checkpointing true: it composes with FSDP
+    checkpoint_activations(model)
     optimizer = build_optimizer(model, cfg)
     model, optimizer = plumbing.prepare(model, optimizer)
     assert isinstance(model, FSDPModule) and all(
-        isinstance(block, FSDPModule) for block in model.blocks
+        isinstance(block, FSDPModule) for block in transformer_blocks(model, "fsdp")
     )
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert stepped == {
@@ -119,10 +122,11 @@ def test_a_sharded_checkpoint_round_trips_bitwise_inside_the_commit_protocol(tmp
     folder = checkpoint.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
     saved = snapshot(model, optimizer)
     files = json.loads((folder / "manifest.json").read_text())["files"]
+    # each a torch.distributed.checkpoint folder, every file checksummed
     for part in (
         "model",
         "optimizer",
-    ):  # each a torch.distributed.checkpoint folder, every file checksummed
+    ):
         assert {f"{part}/.metadata", f"{part}/__0_0.distcp"} <= set(files)
     train_a_step(model, optimizer, seed=1)  # move away from the saved state, then come back
     assert checkpoint.checkpoint_problem(folder) is None
@@ -170,9 +174,8 @@ def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_r
     (tmp_path / "run").mkdir()
     path = checkpoint.export_model(plumbing, model, cfg.output_dir)
     plain = build_model(cfg)  # no process group needed to use it
-    load_model(
-        plain, str(path)
-    )  # strict: every weight there, tied ones once, as an unsharded run writes it
+    # strict: every weight there, tied ones once, as an unsharded run writes it
+    load_model(plain, str(path))
     trained = {k: full(v) for k, v in model.state_dict().items()}
     assert all(torch.equal(v, trained[k]) for k, v in plain.state_dict().items())
     unsharded = tmp_path / "unsharded.safetensors"
@@ -186,9 +189,8 @@ def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_r
 def test_fsdp_without_a_launcher_and_on_main_py_are_one_line_errors(tmp_path, monkeypatch):
     import main
 
-    plumbing = TorchDDP(
-        cfg_for(tmp_path, fsdp="full")
-    )  # no MASTER_ADDR: no process group to shard over
+    # no MASTER_ADDR: no process group to shard over
+    plumbing = TorchDDP(cfg_for(tmp_path, fsdp="full"))
     with pytest.raises(ConfigError, match="fsdp needs a process group: launch with torchrun"):
         plumbing.prepare(build_model(plumbing.cfg))
     with pytest.raises(
@@ -227,9 +229,8 @@ def test_the_ddp_knobs_reach_ddp_on_the_torch_path(tmp_path, launched):
         False,
     )
     assert ddp.bucket_bytes_cap == 7 * 1024 * 1024
-    assert (
-        TrainConfig().ddp_options() == {}
-    )  # left at DDP's defaults, nothing is passed (nor warned about)
+    # left at DDP's defaults, nothing is passed (nor warned about)
+    assert TrainConfig().ddp_options() == {}
 
 
 def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does(

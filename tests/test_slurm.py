@@ -68,9 +68,8 @@ def test_scripts_parse(name):
 
 def test_the_gpu_count_follows_the_allocation_and_data_is_read_offline(fake_slurm):
     env, log = fake_slurm
-    run_script(
-        "accelerate_2node.sbatch", {**env, "SLURM_GPUS_ON_NODE": "4"}
-    )  # sbatch --gpus-per-node=4
+    # sbatch --gpus-per-node=4
+    run_script("accelerate_2node.sbatch", {**env, "SLURM_GPUS_ON_NODE": "4"})
     assert all(
         "--num_machines 2 --num_processes 8" in call for call in log.read_text().splitlines()
     )

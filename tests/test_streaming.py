@@ -51,9 +51,8 @@ def one_epoch(stream):
 
 
 def test_each_process_packs_its_own_share_and_together_they_cover_every_document_once(tmp_path):
-    corpus = write_corpus(
-        tmp_path / "corpus.jsonl", n_docs=300
-    )  # several reads per process and epoch
+    # several reads per process and epoch
+    corpus = write_corpus(tmp_path / "corpus.jsonl", n_docs=300)
     cfg = streaming_config(corpus)
     documents, _ = build_datasets(cfg)
     rows = list(documents)  # the training documents, in the stream's order
@@ -131,9 +130,8 @@ def test_a_stream_without_the_text_column_or_with_loader_workers_is_a_one_line_e
     with pytest.raises(
         ConfigError, match="text_column 'body' is not a column of .* \\(columns: text, id\\)"
     ):
-        build_datasets(
-            streaming_config(corpus, "--text_column", "body")
-        )  # reads the first row only
+        # reads the first row only
+        build_datasets(streaming_config(corpus, "--text_column", "body"))
     with pytest.raises(ConfigError, match="num_workers must be 0 with streaming"):
         streaming_config(corpus, "--num_workers", "2")
     empty = tmp_path / "empty.jsonl"

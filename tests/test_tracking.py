@@ -16,13 +16,14 @@ from tracking import MetricsLogger, Throughput, peak_flops_per_gpu, wandb_init_k
 @pytest.mark.parametrize("bias", [False, True])
 def test_flops_per_token_matches_a_hand_count(bias):
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, bias=bias)
+    # b: a bias per output (linear) or per feature (norm), if any
     d, L, T, V, b = (
         8,
         2,
         4,
         256,
         int(bias),
-    )  # b: a bias per output (linear) or per feature (norm), if any
+    )
     per_block = (
         (d + b * d)
         + (3 * d * d + b * 3 * d)
@@ -32,14 +33,12 @@ def test_flops_per_token_matches_a_hand_count(bias):
         + (4 * d * d + b * d)
     )
     #   ln_1           qkv                      attn proj          ln_2           fc                      mlp proj
-    params = (
-        V * d + L * per_block + (d + b * d)
-    )  # tied embedding/output + blocks + final norm; no position table
+    # tied embedding/output + blocks + final norm; no position table
+    params = V * d + L * per_block + (d + b * d)
     expected = 6 * params + 12 * L * d * T
     model = build_model(cfg)
-    assert (
-        sum(p.numel() for p in model.parameters()) == params + T * d
-    )  # the position table is the rest
+    # the position table is the rest
+    assert sum(p.numel() for p in model.parameters()) == params + T * d
     assert model.flops_per_token() == expected == flops_per_token(model)
 
 
@@ -104,9 +103,8 @@ def test_wandb_arguments_come_from_config_and_never_hold_a_key(tmp_path, monkeyp
         "settings": {"quiet": True},
     }
     assert "sk-should-not-appear" not in json.dumps(kwargs)
-    rewind = wandb_init_kwargs(
-        cfg, "run123", 40
-    )  # a resume rewinds the W&B run to the checkpoint's step
+    # a resume rewinds the W&B run to the checkpoint's step
+    rewind = wandb_init_kwargs(cfg, "run123", 40)
     assert (
         rewind["resume_from"] == "run123?_step=40" and "id" not in rewind and "resume" not in rewind
     )

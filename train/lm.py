@@ -107,7 +107,12 @@ def transformer_blocks(model: nn.Module, needed_for: str) -> list[nn.Module]:
     """The modules whose class `model._no_split_modules` names (Hugging Face models set it; so does
     GPT)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    # by any class in the module's MRO: once sharded, a Block is an FSDPBlock, a subclass of it
+    blocks = [
+        module
+        for module in model.modules()
+        if names & {cls.__name__ for cls in type(module).__mro__}
+    ]
     if not blocks:
         raise ConfigError(
             f"model: {needed_for} works block by block, and {type(model).__name__}._no_split_modules names "

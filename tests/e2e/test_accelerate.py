@@ -56,23 +56,20 @@ def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
         "git_dirty",
         "mixed_precision",
     ):
-        assert key in info, (
-            key
-        )  # what docs/multi-node.md "Troubleshooting" says to compare between nodes
+        # what docs/multi-node.md "Troubleshooting" says to compare between nodes
+        assert key in info, key
     umask = os.umask(0)
     os.umask(umask)
     for path in (
         out / "model.safetensors",
         out / "checkpoints" / "step_00000024" / "model.safetensors",
     ):
-        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, (
-            path
-        )  # safetensors alone makes it 0600
+        # safetensors alone makes it 0600
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
     saved_cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert saved_cfg["grad_accum_steps"] == 2 and saved_cfg["output_dir"] == str(out)
-    assert (
-        load_config(["--config", str(out / "config.yaml")]).dropout == 0.1
-    )  # config.yaml reloads as-is
+    # config.yaml reloads as-is
+    assert load_config(["--config", str(out / "config.yaml")]).dropout == 0.1
 
     # the exported model loads into a fresh model and gives the logged eval loss over the eval set,
     # which has an odd number of samples: counting a padded duplicate would move the mean
@@ -82,9 +79,8 @@ def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
         "the eval set must not divide evenly into 2 ranks' batches"
     )
     model = build_model(cfg)
-    load_model(
-        model, str(out / "model.safetensors")
-    )  # strict: every tensor (tied ones are stored once)
+    # strict: every tensor (tied ones are stored once)
+    load_model(model, str(out / "model.safetensors"))
     loader = torch.utils.data.DataLoader(eval_set, batch_size=5, collate_fn=data.collate)
     metrics = evaluate(model, loader, TorchDDP(cfg))
     assert metrics["eval_loss"] == pytest.approx(eval_rows[-1]["eval_loss"], rel=1e-5)
@@ -154,9 +150,10 @@ def test_a_diverged_loss_stops_the_run_before_it_saves_broken_weights(tmp_path, 
     """nan on one rank from step 6; the next check is step 8, a save step between logging steps (10)."""
     run_dir = tmp_path / "run"
     args = tiny_args(run_dir, corpus, max_steps=12, save_every=4, log_every=10)
+    # one rank's loss: the mean is nan
     run = launch_accelerate(
         args, tmp_path, script=FAULTY_MAIN, env_extra={"FAULT_NAN_STEP": 6, "FAULT_RANK": 1}
-    )  # one rank's loss: the mean is nan
+    )
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if line.startswith("error: ")]
     assert errors == [
@@ -164,9 +161,8 @@ def test_a_diverged_loss_stops_the_run_before_it_saves_broken_weights(tmp_path, 
         f"{run_dir / 'checkpoints' / 'step_00000004'} with a lower lr or more warmup_steps"
     ], run.tail()
     losses = run.losses()
-    assert (
-        sorted(losses) == [4, 8] and math.isfinite(losses[4]) and losses[8] is None
-    )  # JSON has no nan
+    # JSON has no nan
+    assert sorted(losses) == [4, 8] and math.isfinite(losses[4]) and losses[8] is None
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [
         "step_00000004"
     ]  # step 8 never committed

@@ -12,9 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, corpus):
-    out = (
-        tmp_path / "bench.json"
-    )  # the small test corpus: the final evaluation of each variant stays short
+    # the small test corpus: the final evaluation of each variant stays short
+    out = tmp_path / "bench.json"
     result = run(
         [
             sys.executable,
@@ -45,6 +44,5 @@ def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, cor
         assert 0 < summary[ratio]["low"] <= summary[ratio]["median"] <= summary[ratio]["high"]
     assert summary["rounds"] == 2  # --quick: 3 rounds, the first one warm-up
     assert "accelerate / bare:" in result.stdout and "loader wait" in result.stdout
-    assert (
-        "x 2 processes" in result.stdout and result.stdout.count("device:") == 1
-    )  # rank 0 reports
+    # rank 0 reports
+    assert "x 2 processes" in result.stdout and result.stdout.count("device:") == 1

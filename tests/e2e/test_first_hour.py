@@ -50,9 +50,8 @@ def test_extending_a_run_keeps_the_lr_horizon(tmp_path, corpus):
     ).check()
     assert "its horizon stays at step 20 (min_lr after it) while max_steps is 30" in extended.output
     lrs = {row["step"]: row["lr"] for row in read_metrics(run_dir) if "lr" in row}
-    assert all(
-        lrs[step] == pytest.approx(3e-4) for step in range(21, 31)
-    )  # tiny.yaml's min_lr, not re-stretched
+    # tiny.yaml's min_lr, not re-stretched
+    assert all(lrs[step] == pytest.approx(3e-4) for step in range(21, 31))
 
 
 @pytest.mark.shipped  # subclasses the shipped GPT (the contract itself: tests/test_lm.py)
@@ -78,9 +77,8 @@ def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, c
     assert "is not the next-token cross-entropy of its .logits" in errors[0]
 
 
-FORK_FILES = (
-    REPO / "tests" / "helpers" / "fork"
-)  # a GRU language model and CSV reviews, written as a fork's
+# a GRU language model and CSV reviews, written as a fork's
+FORK_FILES = REPO / "tests" / "helpers" / "fork"
 
 
 def make_fork(root: Path) -> Path:
@@ -120,9 +118,8 @@ def test_a_fork_that_replaced_model_and_data_whole_keeps_every_template_promise(
     losses = trained.losses()
     assert losses[30] < 0.6 * losses[1], losses
     with safe_open(str(tmp_path / "own" / "model.safetensors"), "pt") as weights:
-        assert {"embed.weight", "head.weight", "head.bias"} <= set(
-            weights.keys()
-        )  # the fork's model
+        # the fork's model
+        assert {"embed.weight", "head.weight", "head.bias"} <= set(weights.keys())
 
     this_test = (
         "tests/e2e/test_first_hour.py::"

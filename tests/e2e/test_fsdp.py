@@ -11,16 +11,21 @@ from test_two_node import STEPS, run_two_nodes, torchrun_node, two_node_args
 
 from conftest import (
     FAULTY_MAIN,
+    NEEDS_BLOCKS,
     REPO,
     assert_matches_baseline,
     baseline_args,
     launch_torchrun,
     load_weights,
+    model_declares_blocks,
     read_metrics,
     tiny_args,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not model_declares_blocks(), reason=NEEDS_BLOCKS),
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,27 +40,26 @@ def test_fsdp_trains_like_ddp_and_writes_sharded_checkpoints_and_one_whole_model
 ):
     losses = fsdp_run.losses()
     assert sorted(losses) == list(range(1, 25))
-    assert losses == pytest.approx(
-        baseline.losses(), rel=1e-5, abs=0
-    )  # measured: 1.5e-7 apart at most
+    # measured: 1.5e-7 apart at most
+    assert losses == pytest.approx(baseline.losses(), rel=1e-5, abs=0)
     evals = [
         [r["eval_loss"] for r in run.metrics() if "eval_loss" in r] for run in (fsdp_run, baseline)
     ]
     assert evals[0] == pytest.approx(evals[1], rel=1e-5, abs=0)
     latest = fsdp_run.output_dir / "checkpoints" / "step_00000024"
     files = set(json.loads((latest / "manifest.json").read_text())["files"])
+    # every process wrote its shard, rank 0 the metadata; all checksummed
     for part in (
         "model",
         "optimizer",
-    ):  # every process wrote its shard, rank 0 the metadata; all checksummed
+    ):
         assert {f"{part}/.metadata", f"{part}/__0_0.distcp", f"{part}/__1_0.distcp"} <= files
     assert "model.safetensors" not in files and "optimizer.pt" not in files
     sharded, replicated = (
         load_weights(run.output_dir / "model.safetensors") for run in (fsdp_run, baseline)
     )
-    assert (
-        sharded.keys() == replicated.keys()
-    )  # the export is the whole model, tied weights once, as DDP writes it
+    # the export is the whole model, tied weights once, as DDP writes it
+    assert sharded.keys() == replicated.keys()
     assert all((sharded[k] - replicated[k]).abs().max() < 1e-4 for k in sharded)
 
 
@@ -114,9 +118,8 @@ def test_hsdp_on_two_nodes_trains_and_its_checkpoint_resumes_resharded_on_two_pr
     that 4-process checkpoint resumed on 2 processes (--fsdp full) at batch 8, the same global batch, to step 8.
     Against the 4-process DDP run (no dropout): the same losses up to float rounding."""
     out = tmp_path / "run"
-    args = two_node_args(
-        out, corpus, fsdp="hybrid", lr_decay_steps=8, max_steps=4
-    )  # the reference's LR schedule
+    # the reference's LR schedule
+    args = two_node_args(out, corpus, fsdp="hybrid", lr_decay_steps=8, max_steps=4)
     outputs = run_two_nodes(torchrun_node, args, tmp_path)
     assert "Traceback" not in outputs[0] + outputs[1], outputs[0][-3000:]
     reference = four_processes.losses()

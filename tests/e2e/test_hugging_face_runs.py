@@ -34,9 +34,8 @@ def test_a_hugging_face_model_trains_on_two_processes_resumes_bitwise_and_export
     losses = full.losses()
     assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1]
     evaluation = [r for r in full.metrics() if "eval_loss" in r][-1]
-    assert (
-        0 <= evaluation["eval_accuracy"] <= 1 and evaluation["eval_loss"] < 6
-    )  # ln(320) = 5.77 at random
+    # ln(320) = 5.77 at random
+    assert 0 <= evaluation["eval_accuracy"] <= 1 and evaluation["eval_loss"] < 6
 
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(
@@ -54,17 +53,15 @@ def test_a_hugging_face_model_trains_on_two_processes_resumes_bitwise_and_export
         torch.equal(exported[k], replayed[k]) for k in exported
     )
 
-    model = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "full"
-    )  # the Hugging Face layout: config.json beside it
+    # the Hugging Face layout: config.json beside it
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
     assert all(
         torch.equal(tensor, exported[name])
         for name, tensor in model.state_dict().items()
         if name in exported
     )
-    _, trained, _ = sample_script().load_trained(
-        tmp_path / "full"
-    )  # scripts/sample.py reads the run back
+    # scripts/sample.py reads the run back
+    _, trained, _ = sample_script().load_trained(tmp_path / "full")
     assert trained.state_dict().keys() == model.state_dict().keys()
     # a whole model: its tokenizer beside it, so both halves load from the run folder alone
     from transformers import AutoTokenizer
@@ -76,6 +73,5 @@ def test_a_hugging_face_model_trains_on_two_processes_resumes_bitwise_and_export
     assert tokenizer(text)["input_ids"] == source(text)["input_ids"]
     assert tokenizer.eos_token == source.eos_token
     saved = yaml.safe_load((tmp_path / "full" / "config.yaml").read_text())
-    assert saved["model"] == str(tiny_llama) and saved["tokenizer"] == str(
-        bpe_tokenizer
-    )  # as given
+    # as given
+    assert saved["model"] == str(tiny_llama) and saved["tokenizer"] == str(bpe_tokenizer)

@@ -83,12 +83,13 @@ def test_sigterm_during_start_up_is_a_clean_preemption(tmp_path, corpus):
 
 def test_inf_gradients_with_a_finite_loss_stop_before_the_save(tmp_path, corpus):
     run_dir = tmp_path / "run"
+    # the loss of step 4 is finite
     diverged = run_python(
         tiny_args(run_dir, corpus, max_steps=12, save_every=4, log_every=10),
         tmp_path,
         script=FAULTY_MAIN,
         env_extra={"FAULT_INF_GRAD_STEP": 4},
-    )  # the loss of step 4 is finite
+    )
     assert diverged.returncode == 1
     assert error_lines(diverged.output) == [
         "error: the gradient norm was not finite at step 4: training diverged; no checkpoint was saved; start "
@@ -173,9 +174,8 @@ def test_resume_refuses_changed_data_and_init_from_starts_over(tmp_path, corpus)
         f"would continue a different data order; to change them on purpose, start a new run with --init_from "
         f"{run_dir / 'checkpoints' / 'step_00000004'}"
     ], refused.tail()
-    other = (
-        tmp_path / "other.jsonl"
-    )  # other data (its refusal on resume: tests/test_checkpoint.py), on purpose
+    # other data (its refusal on resume: tests/test_checkpoint.py), on purpose
+    other = tmp_path / "other.jsonl"
     other.write_text(
         "".join(
             json.dumps({"text": json.loads(line)["text"].upper()}) + "\n"

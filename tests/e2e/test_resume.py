@@ -89,9 +89,8 @@ def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
-    assert took < 25, (
-        f"took {took:.1f}s to stop"
-    )  # inside torchrun's 30 s before it SIGKILLs workers
+    # inside torchrun's 30 s before it SIGKILLs workers
+    assert took < 25, f"took {took:.1f}s to stop"
     marker = json.loads((run_dir / "preempted.json").read_text())
     assert marker["step"] < 24, output[-2000:]
     assert (run_dir / "checkpoints" / f"step_{marker['step']:08d}" / "manifest.json").exists()
@@ -145,10 +144,11 @@ def test_killed_inside_a_save_resumes_from_the_previous_checkpoint(tmp_path, cor
 def test_resume_into_a_different_model_is_a_one_line_error(tmp_path, corpus, baseline):
     """(A different world size or batch geometry is refused the same way: tests/test_checkpoint.py.)"""
     checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
+    # one process, the baseline's global batch
     wider = run_python(
         [*baseline_args(tmp_path / "a", corpus, n_embd=96, batch_size=8), "--resume", checkpoint],
         tmp_path,
-    )  # one process, the baseline's global batch
+    )
     assert wider.returncode != 0
     errors = [line for line in wider.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "does not fit this model" in errors[0], wider.tail()

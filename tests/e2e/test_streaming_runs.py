@@ -57,14 +57,12 @@ def test_a_streaming_run_interrupted_mid_epoch_resumes_on_the_same_blocks_and_en
     for rank in range(2):
         expected = drawn("whole_ids", rank)
         assert len(expected) == 20 * 2 * 4 and len(set(expected)) == len(expected)
-        assert (
-            len({epoch for epoch, _ in expected}) > 1
-        )  # the run crosses epochs of this process's share
+        # the run crosses epochs of this process's share
+        assert len({epoch for epoch, _ in expected}) > 1
         after = drawn("resumed_ids", rank)
         assert after == expected[10 * 2 * 4 :]
-        assert (
-            after[0][0] == expected[10 * 2 * 4 - 1][0]
-        )  # resumed mid-epoch, with a buffer to restore
+        # resumed mid-epoch, with a buffer to restore
+        assert after[0][0] == expected[10 * 2 * 4 - 1][0]
     weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in ("run", "whole")]
     assert weights[0] == weights[1]
     assert [r["loss"] for r in resumed.metrics() if "loss" in r] == [
@@ -72,10 +70,11 @@ def test_a_streaming_run_interrupted_mid_epoch_resumes_on_the_same_blocks_and_en
     ]
 
     # each process owns a share of the stream: another world size cannot continue it, and says so at once
+    # the same global batch on 1 process
     other_world = run_python(
         [*args(tmp_path / "run"), "--max_steps", "30", "--batch_size", "8", "--resume", "latest"],
         tmp_path,
-    )  # the same global batch on 1 process
+    )
     errors = [line for line in other_world.output.splitlines() if line.startswith("error: ")]
     assert (
         other_world.returncode != 0 and len(errors) == 1 and "saved by 2 processes" in errors[0]

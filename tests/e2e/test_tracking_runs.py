@@ -56,9 +56,8 @@ def test_wandb_offline_two_processes_and_tensorboard(tmp_path, corpus):
         env_extra={**SECRETS, "WANDB_SILENT": "false"},
     ).check()
     wandb_lines = [line for line in result.output.splitlines() if line.startswith("wandb:")]
-    assert len(wandb_lines) <= 3 and "wandb sync" in result.output, (
-        wandb_lines
-    )  # was ~25: summary, sparklines
+    # was ~25: summary, sparklines
+    assert len(wandb_lines) <= 3 and "wandb sync" in result.output, wandb_lines
     runs = offline_runs(out)
     assert len(runs) == 1, runs  # the main process only: rank 1 created no run
     run_files = list(runs[0].glob("run-*.wandb"))
@@ -105,14 +104,12 @@ def test_a_crashed_run_resumes_its_wandb_run_rewound_to_the_checkpoint(tmp_path,
     assert crashed.returncode != 0 and "starting fresh" in crashed.output
     launch_accelerate([*args, "--resume", "latest"], tmp_path).check()
     first, second = (read_run(next(p.glob("run-*.wandb"))) for p in offline_runs(out))
-    assert (
-        first["run_id"] == second["run_id"]
-    )  # offline, W&B writes a second folder with the same id
+    # offline, W&B writes a second folder with the same id
+    assert first["run_id"] == second["run_id"]
     assert all(p.name.endswith(first["run_id"]) for p in offline_runs(out))
     crashed_steps = [r["_step"] for r in first["history"]]
-    assert (
-        crashed_steps[:4] == [1, 2, 3, 4] and max(crashed_steps) > 4
-    )  # steps after the checkpoint at 4
+    # steps after the checkpoint at 4
+    assert crashed_steps[:4] == [1, 2, 3, 4] and max(crashed_steps) > 4
     # the resumed run asks W&B to rewind to step 4, so the steps it logs again replace the crashed run's
     assert second["config"]["_wandb"]["branch_point"] == {"run_id": first["run_id"], "step": 4}
     assert [r["_step"] for r in second["history"]] == list(range(5, 11))

@@ -101,9 +101,8 @@ def finish(procs, timeout=240):
             out, _ = proc.communicate(timeout=max(1, deadline - time.time()))
         except subprocess.TimeoutExpired:
             for p in procs:
-                os.killpg(
-                    p.pid, signal.SIGABRT
-                )  # PYTHONFAULTHANDLER: every process prints where it hangs
+                # PYTHONFAULTHANDLER: every process prints where it hangs
+                os.killpg(p.pid, signal.SIGABRT)
             time.sleep(5)
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):

@@ -234,9 +234,10 @@ def record_samples(folder: str) -> None:
         train_set, eval_set = original_build(cfg)
         return (train_set if cfg.streaming else Recording(train_set)), eval_set
 
+    # streaming: a block's id is (epoch, blocks this process packed before it)
     def next_block(
         self,
-    ):  # streaming: a block's id is (epoch, blocks this process packed before it)
+    ):
         sample_id, block = original_next_block(self)
         drawn.append(list(sample_id))
         return sample_id, block

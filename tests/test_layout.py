@@ -1,0 +1,57 @@
+"""The module layout a fork relies on: imports run one way, and the two files a fork replaces (model.py,
+data.py) are used by as few places, through as few names, as the contract in their docstrings says."""
+
+import ast
+
+from conftest import REPO
+
+TRAIN = REPO / "train"
+FORK_FILES = {"model", "data"}
+MODULES = {path.stem for path in TRAIN.glob("*.py")}
+
+
+def imports_of(module: str) -> dict[str, set[str]]:
+    """{imported train module: names taken from it} for one module of train/ (module level and inside
+    functions alike)."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse((TRAIN / f"{module}.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module in MODULES:
+            found.setdefault(node.module, set()).update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES:
+                    found.setdefault(alias.name, set()).add("*")
+    return found
+
+
+def test_imports_run_one_way():
+    graph = {module: set(imports_of(module)) for module in MODULES}
+    done, visiting = set(), []
+
+    def visit(module):
+        assert module not in visiting, f"an import circle: {' -> '.join([*visiting, module])}"
+        if module in done:
+            return
+        visiting.append(module)
+        for imported in graph[module]:
+            visit(imported)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_only_the_entry_point_and_the_stream_use_the_fork_files_and_through_few_names():
+    users = {module for module in MODULES - FORK_FILES if imports_of(module).keys() & FORK_FILES}
+    assert users == {"main", "streaming"}, users
+    taken = {name for fork_file in FORK_FILES for name in imports_of("main").get(fork_file, ())}
+    assert taken == {"build_model", "build_datasets", "collate"}, taken
+    assert imports_of("torch_ddp").keys().isdisjoint(FORK_FILES)
+    for fork_file in FORK_FILES:  # the fork's files may use the template's helpers, never the loop
+        assert imports_of(fork_file).keys() <= {"lm", "errors", "config"}, fork_file
+
+
+def test_the_error_vocabulary_and_the_config_import_nothing_of_the_template_above_them():
+    assert imports_of("errors") == {}
+    assert set(imports_of("config")) == {"errors"}
