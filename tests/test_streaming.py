@@ -60,7 +60,7 @@ def test_each_process_packs_its_own_share_and_together_they_cover_every_document
     for rank in range(2):
         drawn, _ = one_epoch(StreamBatches(documents, cfg, process(rank)))
         packed = torch.cat(
-            [torch.from_numpy(block) for _, block in sorted(drawn, key=lambda item: item[0])]
+            [torch.from_numpy(block.copy()) for _, block in sorted(drawn, key=lambda item: item[0])]
         )
         # a single file is shared document by document: rank r reads documents r, r + 2, ..., packed as read
         share = rows[rank::2]

@@ -53,9 +53,10 @@ class StreamBatches:
         return self._epoch
 
     def __next__(self) -> dict:
-        samples = [
-            {"input_ids": torch.from_numpy(self.next_block()[1])} for _ in range(self.batch_size)
-        ]
+        blocks = np.stack(
+            [self.next_block()[1] for _ in range(self.batch_size)]
+        )  # a copy: writable
+        samples = [{"input_ids": block} for block in torch.from_numpy(blocks)]
         batch = data.collate(samples)
         return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
 

@@ -3,6 +3,7 @@ extending a run, a fork whose model breaks the loss contract, and the template's
 (Also first-hour checks, folded into runs that exist anyway: file modes and run_info in
 test_accelerate.py, a quiet W&B in test_tracking_runs.py, the debug preset in test_reliability.py.)"""
 
+import csv
 import shutil
 import subprocess
 import sys
@@ -108,8 +109,11 @@ def test_a_fork_that_replaced_model_and_data_whole_keeps_every_template_promise(
     shipped"`, the whole tier, slow ones too) pass in it unchanged."""
     fork = make_fork(tmp_path)
     reviews = tmp_path / "reviews.csv"
-    rows = [f"review {i}: " + "good value, would buy again. " * 3 for i in range(300)]
-    reviews.write_text("stars,review\n" + "".join(f"5,{row}\n" for row in rows))
+    with open(reviews, "w", newline="") as out:  # commas inside the text: quoted as CSV does
+        writer = csv.writer(out)
+        writer.writerow(["stars", "review"])
+        for i in range(300):
+            writer.writerow([5, f"review {i}: " + "good value, would buy again. " * 3])
     own = [
         *tiny_args(tmp_path / "own", reviews, max_steps=30, eval_every=30, save_every=15),
         *["--text_column", "review", "--lr", "1e-2", "--n_layer", "1"],
