@@ -21,7 +21,7 @@ from model import build_model
 from optim import build_optimizer
 from torch_ddp import TorchDDP
 
-IDENTITY = {"seed": 1337, "dataset": "corpus.jsonl", "train_blocks": 100, "data_fingerprint": "abc"}
+IDENTITY = {"seed": 1337, "dataset": "corpus.jsonl", "train_blocks": 100, "data_digest": "abc"}
 
 
 class Job:
@@ -390,7 +390,7 @@ def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_path_is_refuse
 
 @pytest.mark.parametrize(
     "key, value",
-    [("seed", 7), ("dataset", "other.jsonl"), ("train_blocks", 99), ("data_fingerprint", "def")],
+    [("seed", 7), ("dataset", "other.jsonl"), ("train_blocks", 99), ("data_digest", "def")],
 )
 def test_resume_refuses_other_data_and_init_from_takes_the_weights_only(tmp_path, key, value):
     job = Job(tmp_path)

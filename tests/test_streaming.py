@@ -124,6 +124,7 @@ def test_the_eval_set_is_held_out_text_whatever_its_position(corpus):
     assert held_out and eval_bytes.decode("utf-8", "replace").startswith(held_out[0][:8])
 
 
+@pytest.mark.shipped  # the shipped data.py's messages
 def test_a_stream_without_the_text_column_or_with_loader_workers_is_a_one_line_error_at_start_up(
     tmp_path, corpus
 ):

@@ -206,9 +206,9 @@ def test_a_full_disk_outside_a_checkpoint_is_one_line_and_no_rank_waits(tmp_path
 
 
 def test_without_output_dir_each_run_gets_a_new_numbered_folder(tmp_path, corpus):
-    """The README's train command (here with the debug preset, on the offline default corpus) works twice."""
+    """The README's train command (here with the debug preset) works twice."""
     readme = run(
-        accelerate_cmd(["--config", REPO / "train/configs/debug.yaml"]),
+        accelerate_cmd(["--config", REPO / "train/configs/debug.yaml", "--dataset", corpus]),
         base_env(tmp_path),
         cwd=tmp_path,
     )
