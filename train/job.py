@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,8 @@ from plumbing import close_process_group, collectively, is_writer
 from resume import check_sources
 from tracking import write_preempted_marker
 
+LAUNCHER_CHECK_S = 1.0  # how often a worker checks that its launcher is alive
+LAUNCHER_LOST = "the launcher's exit"  # a stop's cause, as a signal's name would be
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the
 # rest.
 OTHER_RANKS_ERROR_DELAY_S = 5.0
@@ -124,9 +127,9 @@ class Preempted(BaseException):  # not an Exception: nothing may catch it on the
 
 
 class StopSignals:
-    """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal), Ctrl-C: checkpoint and stop. During
-    start-up, stop at once (Preempted); in the loop the ranks vote at logging steps and all stop at
-    the same step. 2nd Ctrl-C: now."""
+    """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal), Ctrl-C, and the death of the process that
+    launched this one: checkpoint and stop. During start-up, stop at once (Preempted); in the loop the ranks
+    vote at logging steps and all stop at the same step. 2nd Ctrl-C: now."""
 
     # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
     PREEMPTED_EXIT_CODE = 75
@@ -139,6 +142,26 @@ class StopSignals:
     def install(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(signum, self._on_signal)
+        self._watch_launcher()
+
+    def _watch_launcher(self) -> None:
+        """A launcher (accelerate launch, torchrun, mp.spawn, a shell) that dies without stopping its workers
+        (kill -9, the OOM killer, a closed terminal) leaves them running on their own, in sessions of their
+        own, holding the run folder's lock and the GPUs. Each worker checks once a second that its parent is
+        still the process that started it; when it is not, it stops as on SIGTERM: a checkpoint at the next
+        logging step, taken by all ranks together, then exit 75. (Under --max_restarts the agent is alive
+        and restarts the workers itself; under SLURM, slurmstepd is the parent and ends the step.)"""
+        launcher = os.getppid()
+        if launcher == 1:  # started by init (a container's entry point): nothing to watch
+            return
+
+        def watch():
+            while os.getppid() == launcher:
+                time.sleep(LAUNCHER_CHECK_S)
+            self.signal_name = self.signal_name or LAUNCHER_LOST
+            os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, like any stop
+
+        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
     def _on_signal(self, signum, _frame) -> None:
         if signum == signal.SIGINT and self.signal_name == "SIGINT":

@@ -100,6 +100,84 @@ def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(
     assert_matches_baseline(run_dir, baseline)
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (read from /proc)."""
+    children = []
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(stat))
+    return children
+
+
+def session_of(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[3])
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited: only its exit status is left
+
+
+@pytest.mark.parametrize("launcher_name", ["accelerate", "torchrun"])
+def test_a_launcher_killed_with_kill_9_leaves_no_worker_and_the_run_resumes_exactly(
+    tmp_path, corpus, baseline, launcher_name
+):
+    """kill -9 of the launcher's whole process group (an OOM kill, a lost terminal), accelerate launch or
+    torchrun (the torch path; resumed here by accelerate launch, bitwise all the same): torch elastic starts
+    each worker in a session of its own, so the workers survive it. They notice within a second that their
+    launcher is gone, stop together at the next logging step with a checkpoint, and exit, freeing the run
+    folder; the next --resume latest continues bitwise."""
+    run_dir = tmp_path / "run"
+    cmd = accelerate_cmd(baseline_args(run_dir, corpus), script=FAULTY_MAIN)
+    launcher = subprocess.Popen(
+        cmd,
+        env=base_env(
+            tmp_path, FAULT_SLOW_S=1.0
+        ),  # 24 steps of a second: orphans would run 20 s more
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    workers = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        while time.time() < deadline and len(read_metrics(run_dir)) < 4:
+            time.sleep(0.05)
+        workers = children_of(launcher.pid)
+        assert len(workers) == 2 and all(session_of(w) != launcher.pid for w in workers), workers
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's group: not the workers' sessions
+        killed = time.time()
+        while time.time() - killed < 30 and any(alive(w) for w in workers):
+            time.sleep(0.1)
+        took = time.time() - killed
+        output, _ = launcher.communicate(
+            timeout=30
+        )  # the workers held its output open until they ended
+    finally:
+        for worker in workers:
+            if alive(worker):
+                os.kill(worker, signal.SIGKILL)
+    assert not any(alive(w) for w in workers) and took < 8, f"workers still alive after {took:.1f}s"
+    assert "on the launcher's exit, checkpoint saved" in output, output[-2000:]
+    marker = json.loads((run_dir / "preempted.json").read_text())
+    assert 4 <= marker["step"] < 24, marker
+    resumed = resume(run_dir, corpus, tmp_path)  # the lock was freed with the workers
+    assert f"(step {marker['step']})" in resumed.output
+    assert_matches_baseline(run_dir, baseline)
+
+
 def test_sigusr1_without_a_launcher_exits_75_after_a_checkpoint(tmp_path, corpus):
     run_dir = tmp_path / "run"
     stopped = run_python(
