@@ -252,10 +252,30 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_model", disk_full)
-    with pytest.raises(RunError, match="saving the checkpoint of step 2 .*: .*No space left"):
+    with pytest.raises(
+        RunError, match="no space left on .*checkpoints .*: the checkpoint of step 2 was not"
+    ):
         job.save(2)
     assert [p.name for p in good.parent.iterdir()] == [good.name]
     assert latest_checkpoint(job.cfg.output_dir) == good
+
+
+def test_a_save_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    job = Job(tmp_path)
+    good = job.save(1)
+    needed = checkpoint.checkpoint_bytes(job.parts, range(1))
+    written = sum(p.stat().st_size for p in good.rglob("*") if p.is_file())
+    assert 0.9 * written < needed < written + (2 << 20)  # the estimate: the tensors, and 1 MiB more
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: needed - 1)
+    refusal = (
+        "not enough space on .*checkpoints for the checkpoint of step 2: .* free, it needs about"
+    )
+    with pytest.raises(RunError, match=refusal) as error:
+        job.save(2)
+    assert "\n" not in str(error.value)
+    assert [p.name for p in good.parent.iterdir()] == [
+        good.name
+    ]  # no tmp folder, the last one intact
 
 
 def forge_manifest(path, name):
@@ -421,7 +441,8 @@ def test_any_failure_on_a_process_fails_the_save_everywhere(tmp_path, monkeypatc
     monkeypatch.setattr(checkpoint.ProcessRNG, "state_dict", broken_state)
     with pytest.raises(RunError, match="cannot pickle"):
         job.save(1)
-    assert not list(checkpoint.checkpoint_root(job.cfg.output_dir).iterdir())
+    root = checkpoint.checkpoint_root(job.cfg.output_dir)
+    assert not root.exists() or not list(root.iterdir())
 
 
 def test_a_failed_publish_is_one_line(tmp_path, monkeypatch):

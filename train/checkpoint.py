@@ -22,6 +22,7 @@ which writes straight into its final folder, pickles RNG states, and trains on a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -39,7 +40,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from errors import CheckpointError, first_line
+from errors import CheckpointError, RunError, first_line
 from plumbing import collectively, is_writer
 
 STEP_PREFIX = "step_"
@@ -107,6 +108,9 @@ class Weights:
     def files(self, name: str, ranks: range) -> list[str]:
         return [f"{name}.safetensors"]
 
+    def nbytes(self, ranks: range) -> int:
+        return tensor_bytes(self.module.state_dict())
+
     def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
         if writer:
             save_safetensors(self.module, folder / f"{name}.safetensors")
@@ -154,6 +158,9 @@ class Sharded:
         else:
             set_optimizer_state_dict(self.module, self.optimizer, state)
 
+    def nbytes(self, ranks: range) -> int:
+        return tensor_bytes(self.state_dict())  # a DTensor counts whole: the shards of all processes
+
     def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
         # collective: every process its shards, rank 0 the metadata
         self._dcp(folder, name, load=False)
@@ -192,6 +199,9 @@ class PerProcess:
     def files(self, name: str, ranks: range) -> list[str]:
         return [f"{name}_rank{rank}.pt" for rank in ranks]
 
+    def nbytes(self, ranks: range) -> int:
+        return tensor_bytes(self.state.state_dict()) * len(ranks)
+
     def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
         write_file(folder / f"{name}_rank{plumbing.process_index}.pt", self.state.state_dict())
 
@@ -213,6 +223,9 @@ class Plain:
 
     def files(self, name: str, ranks: range) -> list[str]:
         return []  # .json or .pt, decided by the state when it is written
+
+    def nbytes(self, ranks: range) -> int:
+        return tensor_bytes(self.state.state_dict())
 
     def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
         if not writer:
@@ -327,16 +340,30 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Pa
     tmp = final.with_name(final.name + ".tmp")
     writer = is_writer(plumbing, cfg.shared_filesystem)
 
+    ranks = node_ranks(plumbing, cfg.shared_filesystem)
+
     def create_tmp():
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
+            check_space(final.parent, checkpoint_bytes(parts, ranks), step)
             tmp.mkdir(parents=True)
 
     def write_parts():
-        for name, part in parts.items():
-            write_part(tmp, name, as_part(part), plumbing, writer)
-        if writer:  # provenance: the whole resolved config
-            write_file(tmp / "config.yaml", yaml.safe_dump(asdict(cfg), sort_keys=False).encode())
+        try:
+            for name, part in parts.items():
+                write_part(tmp, name, as_part(part), plumbing, writer)
+            if writer:  # provenance: the whole resolved config
+                config = yaml.safe_dump(asdict(cfg), sort_keys=False).encode()
+                write_file(tmp / "config.yaml", config)
+        except Exception as e:
+            # torch.save reports a full disk as "enforce fail at inline_container.cc ... unexpected pos"
+            if out_of_space(e, final.parent):
+                raise RunError(
+                    f"no space left on {final.parent} ({human_bytes(free_bytes(final.parent))} free): "
+                    f"the checkpoint of step {step} was not saved, the previous one is intact; free "
+                    f"space (or keep_last fewer), then --resume latest"
+                ) from None
+            raise
 
     def remove_tmp():
         if writer:
@@ -344,7 +371,7 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Pa
 
     def commit():
         if writer:
-            expected = expected_files(parts, node_ranks(plumbing, cfg.shared_filesystem))
+            expected = expected_files(parts, ranks)
             publish(tmp, final, expected, {"step": step, "run": run, "parts": sorted(parts)})
             prune_checkpoints(cfg.output_dir, cfg.keep_last)
 
@@ -372,6 +399,64 @@ def node_ranks(plumbing, shared_filesystem: bool) -> range:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))
     node = int(os.environ.get("GROUP_RANK", "0"))
     return range(node * per_node, (node + 1) * per_node)
+
+
+def checkpoint_bytes(parts: dict, ranks: range) -> int:
+    """About what a checkpoint of these parts writes: their tensors, plus 1 MiB for the small files."""
+    return sum(as_part(part).nbytes(ranks) for part in parts.values()) + (1 << 20)
+
+
+def tensor_bytes(state) -> int:
+    """The bytes of the tensors in a state (dicts, lists, tuples), a shared storage counted once."""
+    storages = {}
+
+    def visit(value):
+        if isinstance(value, torch.Tensor):
+            if hasattr(value, "full_tensor"):  # a DTensor: its whole size, all shards
+                storages[id(value)] = value.numel() * value.element_size()
+            else:
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(state)
+    return sum(storages.values())
+
+
+def check_space(folder: Path, needed: int, step: int) -> None:
+    """Refuse a save that cannot fit, before anything is written (the previous checkpoint stays)."""
+    free = free_bytes(folder)
+    if needed > free:
+        raise RunError(
+            f"not enough space on {folder} for the checkpoint of step {step}: {human_bytes(free)} free, "
+            f"it needs about {human_bytes(needed)}; free space (or keep_last fewer), then --resume latest"
+        )
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the filesystem of `folder` (or of its nearest existing parent)."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def out_of_space(error: Exception, folder: Path) -> bool:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return free_bytes(folder) < (1 << 20)  # a write that failed on a full disk, whatever it said
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 def expected_files(parts: dict, ranks: range) -> list[str]:

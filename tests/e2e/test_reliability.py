@@ -7,6 +7,7 @@ checkpoint, the default run folder, and elastic restarts by the launchers.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,6 +204,55 @@ def test_a_full_disk_outside_a_checkpoint_is_one_line_and_no_rank_waits(tmp_path
     assert error_lines(failed.output) == [
         f"error: [Errno 28] No space left on device: '{run_dir / 'metrics.jsonl'}'"
     ], failed.tail()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs: room for two checkpoints of the tiny model (1.5 MB each), not for a third beside them."""
+    folder = tmp_path / "small_disk"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_checkpoint_that_does_not_fit_names_the_full_disk_on_two_processes(
+    tmp_path, corpus, small_disk
+):
+    """Before a save, the space it needs is checked against the folder's free space; a write that still
+    meets a full disk says so. Either way one line, the previous checkpoints intact, no step trained past
+    the save that failed, and no rank left waiting."""
+    for name, fault in (("checked", {}), ("unchecked", {"FAULT_SKIP_SPACE_CHECK": 1})):
+        run_dir = small_disk / name
+        args = tiny_args(
+            run_dir, corpus, max_steps=24, save_every=8, keep_last=2, n_layer=2, n_embd=64
+        )
+        started = time.time()
+        failed = launch_accelerate(args, tmp_path, script=FAULTY_MAIN, env_extra=fault)
+        assert failed.returncode != 0 and time.time() - started < 90, failed.tail()
+        errors = error_lines(failed.output)
+        assert len(errors) == 1, failed.tail()
+        if name == "checked":
+            assert errors[0].startswith(
+                f"error: not enough space on {run_dir / 'checkpoints'} for the checkpoint of step 24: "
+            )
+            assert "it needs about" in errors[0]
+        else:
+            assert errors[0].startswith(f"error: no space left on {run_dir / 'checkpoints'} (")
+            assert (
+                "the checkpoint of step 24 was not saved, the previous one is intact" in errors[0]
+            )
+        checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        assert checkpoints == ["step_00000008", "step_00000016"], checkpoints  # no .tmp left
+        assert (
+            max(row["step"] for row in read_metrics(run_dir)) == 24
+        )  # nothing trained past the failed save
+        assert not (run_dir / "model.safetensors").exists()
+        shutil.rmtree(run_dir)  # room for the next case
 
 
 def test_without_output_dir_each_run_gets_a_new_numbered_folder(tmp_path, corpus):

@@ -20,6 +20,7 @@ Environment variables, each optional, read once at start-up:
                           (fuzzing, see test_kill_fuzz)
     FAULT_DISK_FULL_STEP=k  writing the metrics row of step k fails with ENOSPC (a full disk outside a save)
     FAULTY_ENTRY=torch_ddp  run train/torch_ddp.py's main() instead of train/main.py's
+    FAULT_SKIP_SPACE_CHECK=1  no free-space check before a save: the write itself meets the full disk
     FAULT_SLOW_S=s        sleep s seconds at each logging step: a run long enough to be interrupted mid-way
     RECORD_SAMPLES=dir    each rank writes the train sample indices (streaming: block ids) it drew to dir/rank{r}.json
 """
@@ -281,6 +282,8 @@ if __name__ == "__main__":
         kill_at_event(int(os.environ["FAULT_KILL_EVENT"]))
     if "FAULT_DISK_FULL_STEP" in os.environ:
         inject_disk_full(int(os.environ["FAULT_DISK_FULL_STEP"]))
+    if os.environ.get("FAULT_SKIP_SPACE_CHECK") == "1":
+        checkpoint.check_space = lambda *args: None
     if "FAULT_SLOW_S" in os.environ:
         slow_down(float(os.environ["FAULT_SLOW_S"]))
     if "RECORD_SAMPLES" in os.environ:
