@@ -9,6 +9,8 @@ what data.py holds beyond "a map-style dataset of samples"."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch.utils.data import Sampler
@@ -156,13 +158,15 @@ def fast_reader(dataset):
 
 def data_identity(cfg, train_set) -> dict:
     """What a resume must find unchanged for the data order to continue exactly where it stopped."""
-    if cfg.streaming:
+    if cfg.streaming:  # no packed data to digest: the source's files (or hub revision) instead
         return {
             "seed": cfg.seed,
             "dataset": cfg.dataset,
             "streaming": True,
             "tokenizer": cfg.tokenizer_name,
             "shuffle_buffer": cfg.shuffle_buffer,
+            "stream_files": stream_files(cfg.dataset),
+            "stream_revision": None if Path(cfg.dataset).exists() else hub_revision(cfg.dataset),
         }
     return {
         "seed": cfg.seed,
@@ -170,6 +174,51 @@ def data_identity(cfg, train_set) -> dict:
         "train_blocks": len(train_set),
         "data_digest": content_digest(train_set),
     }
+
+
+def stream_files(dataset: str) -> str | None:
+    """A digest of the local files a streamed run reads: every data file's name, size and content (whole up
+    to 64 MiB, else 16 evenly spaced MiB of it). None for a hub dataset (its revision counts instead)."""
+    import xxhash
+
+    from lm import DATA_FILE_SUFFIXES
+
+    path = Path(dataset)
+    if not path.exists():
+        return None
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.suffix in DATA_FILE_SUFFIXES)
+    digest = xxhash.xxh3_64()
+    for file in files:
+        size = file.stat().st_size
+        name = file.relative_to(path) if path.is_dir() else file.name
+        digest.update(f"{name}:{size}".encode())
+        digest.update(sampled_content(file, size))
+    return digest.hexdigest()
+
+
+def sampled_content(file: Path, size: int, whole_up_to: int = 64 << 20, pieces: int = 16) -> bytes:
+    """A file's bytes, or `pieces` evenly spaced MiB of a bigger one."""
+    with open(file, "rb") as f:
+        if size <= whole_up_to:
+            return f.read()
+        sample = []
+        for piece in range(pieces):
+            f.seek(piece * (size - (1 << 20)) // (pieces - 1))
+            sample.append(f.read(1 << 20))
+        return b"".join(sample)
+
+
+def hub_revision(name: str) -> str | None:
+    """The commit a hub dataset's name points to now, or None offline (5 s at most): unknown is no change."""
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(name, timeout=5).sha
+    except Exception:  # offline, no access: the name and configuration still count
+        return None
 
 
 def content_digest(dataset, budget_bytes: int = 1 << 30) -> str | None:

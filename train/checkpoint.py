@@ -159,7 +159,9 @@ class Sharded:
             set_optimizer_state_dict(self.module, self.optimizer, state)
 
     def nbytes(self, ranks: range) -> int:
-        return tensor_bytes(self.state_dict())  # a DTensor counts whole: the shards of all processes
+        return tensor_bytes(
+            self.state_dict()
+        )  # a DTensor counts whole: the shards of all processes
 
     def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
         # collective: every process its shards, rank 0 the metadata

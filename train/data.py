@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from errors import ConfigError, first_line
-from lm import DATA_FILE_SUFFIXES, load_tokenizer
+from lm import DATA_FILE_SUFFIXES, load_tokenizer, unreadable_data
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the repo's data/ folder
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -51,9 +51,16 @@ def build_datasets(cfg):
     if cfg.streaming:
         import datasets
 
-        first_row = next(iter(eval_text), {})
-        blocks = eval_text.map(pack, batched=True, remove_columns=list(first_row))
-        first_blocks = list(itertools.islice(blocks, cfg.streaming_eval_blocks))
+        try:
+            first_row = next(iter(eval_text), {})
+            # packed as the training stream is, a few documents at a time: reading ahead for datasets'
+            # default batch of 1000 held-out documents would read much of the stream at start-up
+            blocks = eval_text.map(
+                pack, batched=True, batch_size=64, remove_columns=list(first_row)
+            )
+            first_blocks = list(itertools.islice(blocks, cfg.streaming_eval_blocks))
+        except Exception as e:  # a malformed line among the first held-out documents
+            raise unreadable_data(cfg.dataset, e) from None
         evaluation = datasets.Dataset.from_list(first_blocks)
         return train_text.select_columns([cfg.text_column]), some_blocks("eval", evaluation, cfg)
     train = train_text.map(
@@ -150,7 +157,10 @@ def load_text(cfg):
             ) from None
     columns = splits["train"].column_names
     if not columns:  # a stream knows its columns from its first row
-        columns = list(next(iter(splits["train"]), {}))
+        try:
+            columns = list(next(iter(splits["train"]), {}))
+        except Exception as e:  # a malformed first line
+            raise unreadable_data(cfg.dataset, e) from None
     if cfg.text_column not in columns:
         raise ConfigError(
             f"text_column '{cfg.text_column}' is not a column of '{cfg.dataset}' "

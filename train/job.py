@@ -219,22 +219,15 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
         code = stopped_before_training(cfg, plumbing)
     except KeyboardInterrupt:  # the second Ctrl-C: stop now, without a checkpoint
         code = StopSignals.INTERRUPTED_EXIT_CODE
-    # OSError: a full disk or a permission problem, on any write
-    except (
-        ConfigError,
-        RunError,
-        OSError,
-    ) as e:
+    except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem
         exit_with_error(e)
     except RuntimeError as e:
-        if (
-            not isinstance(e, dist.DistError)
-            and "gloo" not in str(e).lower()
-            and "nccl" not in str(e).lower()
-        ):
+        if not lost_a_peer(e):
             raise  # a bug: its traceback is the useful output
-        # a peer process died or hung; that process (or the launcher's summary) says why
-        exit_with_error(RunError(f"lost contact with another process ({first_line(e)})"))
+        # a peer process died or hung: its own line (or the launcher's summary) says why, so this
+        # one waits its turn, even on rank 0
+        lost = RunError(f"lost contact with another process ({first_line(e)})")
+        exit_with_error(lost, another_process_failed=True)
     finally:
         close_process_group()
     sys.exit(code)
@@ -260,12 +253,18 @@ def stopped_before_training(cfg, plumbing) -> int:
     return stop_signals.exit_code
 
 
-def exit_with_error(error: Exception) -> None:
+def lost_a_peer(error: RuntimeError) -> bool:
+    """Whether a collective failed because another process is gone (not a bug of this one)."""
+    message = str(error).lower()
+    return isinstance(error, dist.DistError) or "gloo" in message or "nccl" in message
+
+
+def exit_with_error(error: Exception, another_process_failed: bool = False) -> None:
     """Print `error: ...` and exit with the error's code, once per job rather than once per rank:
     rank 0 speaks at once and the others wait first. If rank 0 failed too, the launcher kills them
-    before they repeat it; an error that is theirs alone (a file missing on one node) still
-    shows."""
-    if os.environ.get("RANK", "0") != "0":
+    before they repeat it; an error that is theirs alone (a file missing on one node, bad data in
+    one rank's share of a stream) still shows, and rank 0's "lost contact" then waits too."""
+    if os.environ.get("RANK", "0") != "0" or another_process_failed:
         # the launcher is already stopping the job for another rank
         if stop_signals.signal_name == "SIGTERM":
             sys.exit(getattr(error, "exit_code", 1))

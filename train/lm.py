@@ -14,8 +14,10 @@ Nothing here imports model.py or data.py: they import from here.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -264,3 +266,35 @@ def check_dataset_name(dataset: str) -> None:
     if os.path.isdir(first_part):
         hint = f" (there is a local folder '{first_part}/': a typo in the path?)"
     raise ConfigError(f"dataset is not an existing file or folder{hint} (got {dataset!r})")
+
+
+def unreadable_data(dataset: str, error: Exception) -> ConfigError:
+    """One line for data that cannot be read, naming the file and line at fault when the reader does not
+    (a local JSON lines file: the first line that does not parse)."""
+    where = ""
+    path = Path(dataset)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(path.rglob("*.jsonl"))
+    else:
+        files = []
+    for file in (f for f in files if f.suffix == ".jsonl"):
+        line = first_bad_json_line(file)
+        if line:
+            where = f" ({file}, line {line})"
+            break
+    cause = error.__cause__ or error
+    return ConfigError(f"dataset '{dataset}' cannot be read{where}: {first_line(cause)}")
+
+
+def first_bad_json_line(file: Path) -> int | None:
+    with open(file, "rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError:
+                return number
+    return None

@@ -174,10 +174,11 @@ def check_same_run(folder: Path, about: dict, now: dict, cfg, identity: dict) ->
             f"{folder} is at step {about['step']}, past max_steps {cfg.max_steps}: pass --max_steps "
             f"{about['step']} or more to resume it"
         )
+    # a value unknown on either side (None: a hub revision offline) is no difference
     changed = [
         f"{key} {saved[key]!r} -> {value!r}"
         for key, value in identity.items()
-        if saved.get(key, value) != value
+        if saved.get(key) is not None and value is not None and saved[key] != value
     ]
     if changed:
         raise CheckpointError(

@@ -23,6 +23,7 @@ import torch
 
 import data
 from errors import ConfigError
+from lm import unreadable_data
 
 DOCUMENTS_PER_READ = 64  # documents packed together (a fast tokenizer's batch call)
 
@@ -38,6 +39,7 @@ class StreamBatches:
         self.documents = split_dataset_by_node(
             documents, rank=plumbing.process_index, world_size=plumbing.num_processes
         )
+        self.dataset = cfg.dataset
         self.rank = plumbing.process_index
         self.device = plumbing.device
         self.pack = data.packer(cfg)
@@ -93,12 +95,17 @@ class StreamBatches:
 
     def _read(self) -> None:
         rows = []
-        for document in self._documents:
-            rows.append(document)
-            if len(rows) == DOCUMENTS_PER_READ:
-                break
-        else:
-            self._source_done = True
+        try:
+            for document in self._documents:
+                rows.append(document)
+                if len(rows) == DOCUMENTS_PER_READ:
+                    break
+            else:
+                self._source_done = True
+        except (
+            Exception
+        ) as e:  # a malformed line half-way through a file: one line, not a traceback
+            raise unreadable_data(self.dataset, e) from None
         # just after the last row read
         self._source_state = copy.deepcopy(self.documents.state_dict())
         if not rows:

@@ -79,3 +79,56 @@ def test_a_streaming_run_interrupted_mid_epoch_resumes_on_the_same_blocks_and_en
     assert (
         other_world.returncode != 0 and len(errors) == 1 and "saved by 2 processes" in errors[0]
     ), other_world.tail()
+
+
+def write_lines(path, texts):
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+
+
+def test_a_changed_or_broken_stream_is_refused_in_one_line(tmp_path):
+    """A streamed run records what it reads (its files' names, sizes and content); a resume on a rewritten
+    file is refused, pointing to --init_from. A malformed line is one line naming the file and the line,
+    at start-up (the first row) and half-way (a later read), the checkpoint before it intact."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    texts = [f"doc {i}: " + "the quick brown fox jumps. " * (1 + i % 3) for i in range(400)]
+    write_lines(folder / "a.jsonl", texts[:200])
+    write_lines(folder / "b.jsonl", texts[200:])
+    args = tiny_args(
+        tmp_path / "run", folder, streaming="true", shuffle_buffer=8, max_steps=6, save_every=3
+    )
+    args += ["--streaming_eval_blocks", "4", "--eval_every", "6"]
+    run_python(args, tmp_path).check()
+    write_lines(folder / "b.jsonl", [text.upper() for text in texts[200:]])  # rewritten: same size
+    changed = run_python([*args, "--max_steps", "9", "--resume", "latest"], tmp_path)
+    errors = [line for line in changed.output.splitlines() if line.startswith("error: ")]
+    assert changed.returncode == 2 and len(errors) == 1, changed.tail()
+    assert "was saved for other data (stream_files " in errors[0] and "--init_from" in errors[0]
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    write_lines(broken / "a.jsonl", texts[:200])
+    lines = (broken / "a.jsonl").read_text().splitlines()
+    first_bad = tmp_path / "first.jsonl"
+    first_bad.write_text("\n".join(["{not json", *lines[1:]]) + "\n")
+    at_start = run_python(tiny_args(tmp_path / "start", first_bad, streaming="true"), tmp_path)
+    errors = [line for line in at_start.output.splitlines() if line.startswith("error: ")]
+    assert at_start.returncode == 2 and "Traceback" not in at_start.output, at_start.tail()
+    assert len(errors) == 1 and f"({first_bad}, line 1)" in errors[0], errors
+
+    # half-way: a third file, read after the first two (the reader parses a file in 10 MB blocks, so a bad
+    # line fails its whole block: here, all of c.jsonl)
+    write_lines(broken / "b.jsonl", texts[200:])
+    lines[4] = '{"text": "unterminated'
+    (broken / "c.jsonl").write_text("\n".join(lines) + "\n")
+    half = tiny_args(tmp_path / "half", broken, streaming="true", shuffle_buffer=8, max_steps=400)
+    # the eval set: the first few held-out documents, all in a.jsonl
+    half += ["--save_every", "5", "--streaming_eval_blocks", "4", "--eval_fraction", "0.2"]
+    half_way = launch_accelerate(half, tmp_path)
+    errors = [line for line in half_way.output.splitlines() if line.startswith("error: ")]
+    assert half_way.returncode != 0 and len(errors) == 1, half_way.tail()
+    assert f"({broken / 'c.jsonl'}, line 5)" in errors[0], errors
+    saved = sorted((tmp_path / "half" / "checkpoints").glob("step_*"))
+    assert saved and all((folder / "manifest.json").exists() for folder in saved), (
+        saved
+    )  # trained first
