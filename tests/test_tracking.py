@@ -1,11 +1,13 @@
 """Tracking pieces in-process: the FLOPs-per-token formula, the peak table, the logger's no-op mode."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from config import TrainConfig
+from conftest import REPO
 from lm import flops_per_token
 from model import build_model
 from torch_ddp import TorchDDP
@@ -123,3 +125,27 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
         json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [row["step"] for row in rows] == [1, 2, 3] and rows[-1]["loss"] == 1.25
+
+
+def test_a_launch_record_holds_the_uncommitted_changes_of_a_dirty_checkout(tmp_path):
+    """git_changes reads the checkout the template runs from: here a copy in a fresh repository, changed
+    after its commit, with one file git does not know yet."""
+    import importlib.util
+    import subprocess
+
+    (tmp_path / "train").mkdir()
+    shutil.copy(REPO / "train" / "tracking.py", tmp_path / "train" / "tracking.py")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    with open(tmp_path / "train" / "tracking.py", "a") as changed:
+        changed.write("# a local change\n")
+    (tmp_path / "notes.txt").write_text("not committed")
+    spec = importlib.util.spec_from_file_location(
+        "tracking_copy", tmp_path / "train" / "tracking.py"
+    )
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    changes = copy.git_changes()
+    assert "+# a local change" in changes["git_diff"] and changes["git_untracked"] == ["notes.txt"]

@@ -61,7 +61,13 @@ class MetricsLogger:
         (self.output_dir / "config.yaml").write_text(
             yaml.safe_dump(asdict(self.cfg), sort_keys=False)
         )
-        (self.output_dir / "run_info.json").write_text(json.dumps(run_info, indent=2) + "\n")
+        info_file = self.output_dir / "run_info.json"
+        # how each start was launched, the first one's kept by every resume and requeue
+        previous = (
+            json.loads(info_file.read_text()).get("launches", []) if info_file.exists() else []
+        )
+        launches = [*previous, launch_record()]
+        info_file.write_text(json.dumps({**run_info, "launches": launches}, indent=2) + "\n")
         (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run is the requeued one
         path = self.output_dir / "metrics.jsonl"
         logged = path.read_text().splitlines(keepends=True) if path.exists() else []
@@ -355,3 +361,91 @@ def environment_info() -> dict:
         "git_dirty": dirty,
         "host": os.uname().nodename,
     }
+
+
+# ---------------------------------------------------------------- how a run was launched
+
+LAUNCH_ENVIRONMENT = (  # the variables a launcher or scheduler sets that change what a run does
+    "ACCELERATE_",
+    "FSDP_",
+    "PARALLELISM_CONFIG_",
+    "PET_",
+    "TORCHELASTIC_",
+    "SLURM_",
+    "NCCL_",
+    "CUDA_VISIBLE_DEVICES",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+    "HF_",
+)
+
+
+def launch_record() -> dict:
+    """Enough to launch this start again the same way: this process's command and its launcher's (with
+    the accelerate config file it named), the launcher's and scheduler's variables, the installed packages,
+    and the uncommitted changes of the repository (the diff and the untracked files' names)."""
+    import importlib.metadata
+    import sys
+
+    launcher = process_command(os.getppid())
+    packages = {dist.metadata["Name"]: dist.version for dist in importlib.metadata.distributions()}
+    environment = {k: v for k, v in os.environ.items() if k.startswith(LAUNCH_ENVIRONMENT)}
+    return {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": os.uname().nodename,
+        "command": [sys.executable, *sys.argv],
+        "launcher_command": launcher,
+        "launcher_config": launcher_config(launcher),
+        "environment": dict(sorted(environment.items())),
+        "packages": dict(sorted(packages.items(), key=lambda item: item[0].lower())),
+        **git_changes(),
+    }
+
+
+def process_command(pid: int) -> list[str] | None:
+    """A process's command line (Linux), or None."""
+    try:
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return [argument.decode(errors="replace") for argument in arguments if argument]
+
+
+def launcher_config(launcher: list[str] | None) -> dict | None:
+    """The accelerate config file the launcher was given (--config_file), as {path: its text}."""
+    if not launcher or "--config_file" not in launcher:
+        return None
+    index = launcher.index("--config_file") + 1
+    if index >= len(launcher):
+        return None
+    path = launcher[index]
+    try:
+        return {path: Path(path).read_text()}
+    except OSError:  # a relative path from another working directory, or gone
+        return {path: None}
+
+
+def git_changes() -> dict:
+    """The repository's uncommitted changes: `git diff HEAD` and the untracked files' names (none
+    outside a git checkout)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+
+    try:
+        diff = git("diff", "HEAD")
+        untracked = git("ls-files", "--others", "--exclude-standard").splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git_diff": diff, "git_untracked": untracked}

@@ -58,6 +58,23 @@ def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
     ):
         # what docs/multi-node.md "Troubleshooting" says to compare between nodes
         assert key in info, key
+    # how it was launched, to launch it again the same way
+    launch = info["launches"][0]
+    assert len(info["launches"]) == 1 and launch["command"][1:3] == [
+        str(REPO / "train" / "main.py"),
+        "--config",
+    ]
+    assert "accelerate.commands.launch" in launch["launcher_command"]
+    config_file = str(REPO / "accelerate_configs" / "cpu.yaml")
+    assert launch["launcher_config"] == {
+        config_file: (REPO / "accelerate_configs" / "cpu.yaml").read_text()
+    }
+    assert launch["packages"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert (
+        launch["environment"]["WORLD_SIZE"] == "2"
+        and "git_diff" in launch
+        and "git_untracked" in launch
+    )
     umask = os.umask(0)
     os.umask(umask)
     for path in (

@@ -97,6 +97,11 @@ def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(
     resumed = resume(run_dir, corpus, tmp_path)
     assert f"(step {marker['step']})" in resumed.output
     assert not (run_dir / "preempted.json").exists()  # the requeued run clears the marker
+    launches = json.loads((run_dir / "run_info.json").read_text())["launches"]
+    assert (
+        len(launches) == 2 and launches[0]["started"] <= launches[1]["started"]
+    )  # the first one kept
+    assert "--resume" not in launches[0]["command"] and "--resume" in launches[1]["command"]
     assert_matches_baseline(run_dir, baseline)
 
 
