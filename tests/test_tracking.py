@@ -134,16 +134,16 @@ def test_a_launch_record_holds_the_uncommitted_changes_of_a_dirty_checkout(tmp_p
     import subprocess
 
     (tmp_path / "train").mkdir()
-    shutil.copy(REPO / "train" / "tracking.py", tmp_path / "train" / "tracking.py")
+    shutil.copy(REPO / "train" / "provenance.py", tmp_path / "train" / "provenance.py")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "first"], check=True)
-    with open(tmp_path / "train" / "tracking.py", "a") as changed:
+    with open(tmp_path / "train" / "provenance.py", "a") as changed:
         changed.write("# a local change\n")
     (tmp_path / "notes.txt").write_text("not committed")
     spec = importlib.util.spec_from_file_location(
-        "tracking_copy", tmp_path / "train" / "tracking.py"
+        "provenance_copy", tmp_path / "train" / "provenance.py"
     )
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import latest_checkpoint, step_of
+from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
 from config import TrainConfig, load_config
-from errors import ConfigError, RunError, first_line
+from errors import CheckpointError, ConfigError, RunError, first_line
 from lm import check_dataset_name, check_model_and_tokenizer
 from plumbing import close_process_group, collectively, is_writer
-from resume import check_sources
+from resume import check_same_run, check_sources
 from tracking import write_preempted_marker
 
 LAUNCHER_CHECK_S = 1.0  # how often a worker checks that its launcher is alive
@@ -39,9 +39,10 @@ RUN_NAME = re.compile(r"run_(\d+)")
 _held_locks = []  # open until the process exits: closing the file would release the lock
 
 
-def claim_run_folder(cfg, plumbing) -> TrainConfig:
+def claim_run_folder(cfg, plumbing, identity: dict) -> TrainConfig:
     """Settle output_dir (the same on every process) and lock it for this job. Returns the config
-    with it."""
+    with it. Without --output_dir, --resume latest takes the newest run folder, if that run fits this one
+    (`identity`: its data)."""
     if not cfg.output_dir:
         number = 0
         if plumbing.is_main_process:
@@ -50,6 +51,8 @@ def claim_run_folder(cfg, plumbing) -> TrainConfig:
             torch.tensor(float(number), device=plumbing.device), "sum"
         )
         cfg = replace(cfg, output_dir=str(RUNS_ROOT / f"run_{int(number_everywhere.item()):03d}"))
+        if cfg.resume == "latest":
+            check_the_newest_run_fits(cfg, plumbing, identity)
     writer = is_writer(plumbing, cfg.shared_filesystem)
 
     def lock():
@@ -58,6 +61,21 @@ def claim_run_folder(cfg, plumbing) -> TrainConfig:
 
     collectively(plumbing, "locking the run folder", lock, ConfigError)
     return cfg
+
+
+def check_the_newest_run_fits(cfg, plumbing, identity: dict) -> None:
+    """The newest run folder, picked for --resume latest, must hold a run of this geometry and data: else
+    say which folder was looked at, what differs, and how to choose."""
+    newest = latest_checkpoint(cfg.output_dir)
+    if newest is None:
+        return
+    try:
+        check_same_run(newest, read_manifest(newest), run_geometry(plumbing, cfg), cfg, identity)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"--resume latest without --output_dir took the newest run, {cfg.output_dir}, which is "
+            f"another run: {e}. Pass --output_dir to name the run to resume (or a new folder)"
+        ) from None
 
 
 def pick_run_number(newest: bool) -> int:

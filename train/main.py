@@ -49,9 +49,10 @@ from lm import (
 from model import build_model
 from optim import build_optimizer, lr_at, set_lr
 from plumbing import Plumbing, check_world_size, init_process_group
+from provenance import environment_info
 from resume import resume_or_start
 from streaming import StreamBatches
-from tracking import MetricsLogger, Throughput, environment_info, new_run_id
+from tracking import MetricsLogger, Throughput, new_run_id
 
 
 # an unexpected exception's traceback goes into the launcher's summary, not only the worker's log
@@ -138,8 +139,9 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         train_set, eval_set = build_datasets(cfg)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     check_data_size(train_set, global_batch, cfg)
+    identity = data_identity(cfg, train_set)  # what a resume must find unchanged
     # settles output_dir and locks it: one job per run folder
-    cfg = claim_run_folder(cfg, accelerator)
+    cfg = claim_run_folder(cfg, accelerator, identity)
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
     sampler = None
     train_loader = None  # streaming: each process reads its own share of the stream (streaming.py)
@@ -181,7 +183,6 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     parts = checkpoint_parts(accelerator, model, optimizer, train_state=state, data=data_part)
     # a fork's own state is one more line here, e.g. parts["ema"] = ema_model: saved, restored and
     # pruned with the rest
-    identity = data_identity(cfg, train_set)  # what a resume must find unchanged
     # the config is settled from here on
     cfg = resume_or_start(accelerator, cfg, parts, identity, log)
     # a resumed run continues its W&B run

@@ -289,6 +289,21 @@ def test_without_output_dir_each_run_gets_a_new_numbered_folder(tmp_path, corpus
         result.returncode == 0 and "resume: runs/run_002/checkpoints/step_00000002" in result.stdout
     ), result.stdout[-2000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run_001", "run_002"]
+    # another run's geometry: the newest run folder does not fit it, and the refusal says which folder
+    other = run(
+        [*cmd, "--batch_size", "8", "--max_steps", "6", "--resume", "latest"],
+        base_env(tmp_path),
+        cwd=tmp_path,
+    )
+    errors = error_lines(other.stdout)
+    assert other.returncode == 2 and len(errors) == 1, other.stdout[-2000:]
+    assert (
+        "--resume latest without --output_dir took the newest run, runs/run_002, which is another run"
+        in errors[0]
+    )
+    assert (
+        "global batch 4" in errors[0] and "Pass --output_dir to name the run to resume" in errors[0]
+    )
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])

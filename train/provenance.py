@@ -1,0 +1,143 @@
+"""What produced a run, recorded in its run_info.json: the software and hardware it ran on (the same on
+every rank: compare them between nodes, docs/multi-node.md "Troubleshooting"), and how each start was
+launched, so that it can be launched again the same way."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def git_state() -> tuple[str, bool | None]:
+    """(revision, whether tracked files have uncommitted changes); ("unknown", None) outside a git
+    checkout."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short=12", "HEAD"), bool(
+            git("status", "--porcelain", "--untracked-files=no")
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+def environment_info() -> dict:
+    """What to compare between nodes, or between two runs that should agree (docs/multi-node.md
+    "Troubleshooting")."""
+    import platform
+
+    import accelerate
+    import datasets
+
+    revision, dirty = git_state()
+    cuda = torch.cuda.is_available()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "datasets": datasets.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "git": revision,
+        "git_dirty": dirty,
+        "host": os.uname().nodename,
+    }
+
+
+LAUNCH_ENVIRONMENT = (  # the variables a launcher or scheduler sets that change what a run does
+    "ACCELERATE_",
+    "FSDP_",
+    "PARALLELISM_CONFIG_",
+    "PET_",
+    "TORCHELASTIC_",
+    "SLURM_",
+    "NCCL_",
+    "CUDA_VISIBLE_DEVICES",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+    "HF_",
+)
+
+
+def launch_record() -> dict:
+    """Enough to launch this start again the same way: this process's command and its launcher's (with
+    the accelerate config file it named), the launcher's and scheduler's variables, the installed packages,
+    and the uncommitted changes of the repository (the diff and the untracked files' names)."""
+    import importlib.metadata
+
+    launcher = process_command(os.getppid())
+    packages = {dist.metadata["Name"]: dist.version for dist in importlib.metadata.distributions()}
+    environment = {k: v for k, v in os.environ.items() if k.startswith(LAUNCH_ENVIRONMENT)}
+    return {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": os.uname().nodename,
+        "command": [sys.executable, *sys.argv],
+        "launcher_command": launcher,
+        "launcher_config": launcher_config(launcher),
+        "environment": dict(sorted(environment.items())),
+        "packages": dict(sorted(packages.items(), key=lambda item: item[0].lower())),
+        **git_changes(),
+    }
+
+
+def process_command(pid: int) -> list[str] | None:
+    """A process's command line (Linux), or None."""
+    try:
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return [argument.decode(errors="replace") for argument in arguments if argument]
+
+
+def launcher_config(launcher: list[str] | None) -> dict | None:
+    """The accelerate config file the launcher was given (--config_file), as {path: its text}."""
+    if not launcher or "--config_file" not in launcher:
+        return None
+    index = launcher.index("--config_file") + 1
+    if index >= len(launcher):
+        return None
+    path = launcher[index]
+    try:
+        return {path: Path(path).read_text()}
+    except OSError:  # a relative path from another working directory, or gone
+        return {path: None}
+
+
+def git_changes() -> dict:
+    """The repository's uncommitted changes: `git diff HEAD` and the untracked files' names (none
+    outside a git checkout)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+
+    try:
+        diff = git("diff", "HEAD")
+        untracked = git("ls-files", "--others", "--exclude-standard").splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git_diff": diff, "git_untracked": untracked}
