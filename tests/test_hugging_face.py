@@ -3,6 +3,8 @@ local folder, the one-line refusals at start-up, and scripts/sample.py. (Trainin
 from_pretrained export: tests/e2e/test_hugging_face_runs.py.)"""
 
 import importlib.util
+import json
+import shutil
 from dataclasses import asdict
 
 import numpy as np
@@ -15,7 +17,7 @@ import data
 import lm
 from checkpoint import save_safetensors
 from config import TrainConfig, load_config
-from conftest import REPO, save_tiny_llama
+from conftest import REPO, run_python, save_tiny_llama
 from errors import ConfigError
 from job import load_checked_config
 from model import build_model
@@ -121,6 +123,38 @@ def test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts(
     with pytest.raises(ConfigError, match=message) as refused:
         load_checked_config(["--dataset", str(corpus), "--block_size", "32", *flags])
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("damage", ["other_shape", "no_weights", "unknown_type"])
+def test_a_model_folder_that_cannot_be_loaded_as_configured_is_one_line_exit_2(
+    damage, tmp_path, corpus, bpe_tokenizer, tiny_llama
+):
+    """Weights of another shape than config.json, a config and no weights, a config transformers does not
+    know: one line naming the folder and what does not fit, exit 2, before any process group."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if damage == "other_shape":
+        config["intermediate_size"] = 48  # the MLP's matrices in the file are 64 wide
+        expected = f"model '{folder}': its weights do not fit its config.json \\(llama\\): "
+        expected += r".*\[64, 32\] vs \[48, 32\]"
+    elif damage == "no_weights":
+        (folder / "model.safetensors").unlink()
+        expected = f"model '{folder}' has a config.json and no weights .*--model_weights config"
+    else:
+        config["model_type"] = "no-such-architecture"
+        expected = f"model '{folder}' could not be loaded: "
+    (folder / "config.json").write_text(json.dumps(config))
+    flags = ["--dataset", str(corpus), "--block_size", "32", "--model", str(folder)]
+    flags += ["--tokenizer", str(bpe_tokenizer), "--output_dir", str(tmp_path / "run")]
+    with pytest.raises(ConfigError, match=expected) as refused:
+        load_checked_config(flags)
+    assert "\n" not in str(refused.value)
+    if damage == "other_shape":  # through the real entry point: exit 2, one line, nothing written
+        result = run_python(flags, tmp_path, timeout=120)
+        errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+        assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.output
+        assert not (tmp_path / "run").exists()
 
 
 def write_run_folder(folder, cfg):

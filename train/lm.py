@@ -229,6 +229,8 @@ def check_model_and_tokenizer(cfg) -> None:
         raise ConfigError(f"{e}{default}") from None
     if model_config is None:
         return
+    if cfg.model_weights == "pretrained" and os.path.isdir(cfg.model):
+        check_model_folder(cfg.model, model_config)
     embedded = model_config.vocab_size
     if tokens > embedded:
         raise ConfigError(
@@ -298,3 +300,51 @@ def first_bad_json_line(file: Path) -> int | None:
             except ValueError:
                 return number
     return None
+
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def check_model_folder(folder: str, model_config) -> None:
+    """A local Hugging Face model folder must hold weights, and (safetensors) weights of the shapes its
+    config.json describes: said in one line now, not as transformers' mismatch table after the process
+    group has started. The model is built on the meta device: no memory, no time."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    present = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
+    if not present:
+        raise ConfigError(
+            f"model '{folder}' has a config.json and no weights ({' or '.join(WEIGHT_FILES[::2])}): pass "
+            f"--model_weights config to train its architecture from fresh weights"
+        )
+    if present[0] == "model.safetensors":
+        files = [os.path.join(folder, "model.safetensors")]
+    elif present[0] == "model.safetensors.index.json":
+        index = json.loads(Path(folder, present[0]).read_text())
+        files = sorted({os.path.join(folder, name) for name in index["weight_map"].values()})
+    else:
+        return  # pickled weights: read only by loading them
+    with torch.device("meta"):
+        expected = {
+            k: tuple(v.shape)
+            for k, v in AutoModelForCausalLM.from_config(model_config).state_dict().items()
+        }
+    problems = []
+    for file in files:
+        with safe_open(file, framework="pt") as weights:
+            for key in weights.keys():
+                shape = tuple(weights.get_slice(key).get_shape())
+                if key in expected and expected[key] != shape:
+                    problems.append(f"{key} {list(shape)} vs {list(expected[key])}")
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigError(
+            f"model '{folder}': its weights do not fit its config.json ({model_config.model_type}): "
+            f"{'; '.join(problems[:3])}{more}"
+        )
