@@ -263,6 +263,8 @@ def check_dataset_name(dataset: str) -> None:
         or ("/" in dataset and os.path.isdir(first_part))
     )
     if not looks_like_a_path:
+        if "/" in dataset:  # owner/name: a hub dataset
+            check_hub_dataset(dataset)
         return
     hint = ""
     if os.path.isdir(first_part):
@@ -348,3 +350,48 @@ def check_model_folder(folder: str, model_config) -> None:
             f"model '{folder}': its weights do not fit its config.json ({model_config.model_type}): "
             f"{'; '.join(problems[:3])}{more}"
         )
+
+
+HUB_TIMEOUT_S = (
+    5  # one question to the hub at start-up, instead of its client's retries (25 s offline)
+)
+
+
+def hub_is_offline() -> bool:
+    return any(
+        os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def check_hub_dataset(name: str) -> None:
+    """Ask the hub once, in at most HUB_TIMEOUT_S, whether the dataset is there. Not there: one line now.
+    The hub cannot be reached: with a local copy, this process goes on offline (datasets then reads the
+    copy at once); without one, one line now rather than after the client's retries."""
+    if hub_is_offline():
+        return
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
+        return
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"dataset '{name}' is not on the hub (or is private or gated: log in with `hf auth login`)"
+        ) from None
+    except Exception as e:  # no network, a timeout, a proxy: the hub cannot be reached
+        unreachable = first_line(e)
+    owner, repo = name.split("/", 1)
+    cached = [
+        Path(constants.HF_HUB_CACHE) / f"datasets--{owner}--{repo}",
+        Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME) / "datasets"))
+        / f"{owner}___{repo}",
+    ]
+    if not any(folder.exists() for folder in cached):
+        raise ConfigError(
+            f"dataset '{name}' could not be loaded: the hub cannot be reached ({unreachable}) and there is no "
+            f"local copy (set HF_HUB_OFFLINE=1 to use the cache without asking the hub)"
+        )
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read by datasets when it is imported, after this check
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
