@@ -138,7 +138,8 @@ def test_a_second_job_on_the_same_run_folder_is_refused_until_the_first_dies(tmp
     try:
         wait_for_rows(run_dir, 6, first)
         started = time.time()
-        second = launch_accelerate([*args, "--resume", "latest"], tmp_path)
+        # the same geometry (one process): only the lock can refuse it
+        second = run_python([*args, "--resume", "latest"], tmp_path)
         assert time.time() - started < 60
         assert second.returncode != 0
         errors = error_lines(second.output)
