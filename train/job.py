@@ -7,6 +7,7 @@ at most one `error: ...` line per job, and no process left waiting on one that f
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -271,6 +272,13 @@ def stopped_before_training(cfg, plumbing) -> int:
     return stop_signals.exit_code
 
 
+def exit_after_flush(code: int) -> None:
+    """Run the exit handlers (tracking.MetricsLogger's: the trackers' flush), then exit at once, without
+    tearing down a process group whose peer is gone (that can hang)."""
+    atexit._run_exitfuncs()
+    os._exit(code)
+
+
 def lost_a_peer(error: RuntimeError) -> bool:
     """Whether a collective failed because another process is gone (not a bug of this one)."""
     message = str(error).lower()
@@ -282,12 +290,16 @@ def exit_with_error(error: Exception, another_process_failed: bool = False) -> N
     rank 0 speaks at once and the others wait first. If rank 0 failed too, the launcher kills them
     before they repeat it; an error that is theirs alone (a file missing on one node, bad data in
     one rank's share of a stream) still shows, and rank 0's "lost contact" then waits too."""
+    code = getattr(error, "exit_code", 1)
     if os.environ.get("RANK", "0") != "0" or another_process_failed:
         # the launcher is already stopping the job for another rank
         if stop_signals.signal_name == "SIGTERM":
-            sys.exit(getattr(error, "exit_code", 1))
-        # the launcher's kill is not a preemption here
+            sys.exit(code)
+        # the launcher's kill is not a preemption here: the process ends without a word, after its
+        # trackers' flush where it holds them (rank 0: W&B keeps the steps it logged)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if another_process_failed and os.environ.get("RANK", "0") == "0":
+            signal.signal(signal.SIGTERM, lambda *_: exit_after_flush(code))
         time.sleep(OTHER_RANKS_ERROR_DELAY_S)
     print(f"error: {error}", file=sys.stderr)  # noqa: T201 - the job's one line
     # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root Cause":
@@ -297,4 +309,4 @@ def exit_with_error(error: Exception, another_process_failed: bool = False) -> N
         Path(path).write_text(
             json.dumps({"message": {"message": f"error: {error}", "extraInfo": extra}})
         )
-    sys.exit(getattr(error, "exit_code", 1))
+    sys.exit(code)

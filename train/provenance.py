@@ -5,6 +5,7 @@ launched, so that it can be launched again the same way."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,9 @@ LAUNCH_ENVIRONMENT = (  # the variables a launcher or scheduler sets that change
 )
 
 
+SECRET = re.compile(r"TOKEN|KEY|SECRET|PASS|AUTH|CREDENTIAL", re.IGNORECASE)  # never written down
+
+
 def launch_record() -> dict:
     """Enough to launch this start again the same way: this process's command and its launcher's (with
     the accelerate config file it named), the launcher's and scheduler's variables, the installed packages,
@@ -84,7 +88,11 @@ def launch_record() -> dict:
 
     launcher = process_command(os.getppid())
     packages = {dist.metadata["Name"]: dist.version for dist in importlib.metadata.distributions()}
-    environment = {k: v for k, v in os.environ.items() if k.startswith(LAUNCH_ENVIRONMENT)}
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if key.startswith(LAUNCH_ENVIRONMENT) and not SECRET.search(key)
+    }
     return {
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "host": os.uname().nodename,

@@ -207,26 +207,40 @@ def test_a_full_disk_outside_a_checkpoint_is_one_line_and_no_rank_waits(tmp_path
     ], failed.tail()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MB tmpfs: room for two checkpoints of the tiny model (1.5 MB each), not for a third beside them."""
-    folder = tmp_path / "small_disk"
+def checkpoint_size(args) -> int:
+    """About what one checkpoint of this run holds: the weights and AdamW's two moments, plus small files."""
+    from config import load_config
+    from model import build_model
+
+    model = build_model(load_config(args))
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + (64 << 10)
+
+
+def mount_small_disk(folder, size_bytes: int) -> None:
     folder.mkdir()
+    size = f"size={size_bytes // 1024}k"
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(folder)], capture_output=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-def test_a_checkpoint_that_does_not_fit_names_the_full_disk_on_two_processes(
-    tmp_path, corpus, small_disk
-):
+def test_a_checkpoint_that_does_not_fit_names_the_full_disk_on_two_processes(tmp_path, corpus):
     """Before a save, the space it needs is checked against the folder's free space; a write that still
     meets a full disk says so. Either way one line, the previous checkpoints intact, no step trained past
-    the save that failed, and no rank left waiting."""
+    the save that failed, and no rank left waiting. The disk: a tmpfs with room for two and a half
+    checkpoints (keep_last 2: the third does not fit beside them)."""
+    small_disk = tmp_path / "small_disk"
+    sizing = tiny_args(tmp_path / "sizing", corpus, n_layer=2, n_embd=64)
+    mount_small_disk(small_disk, int(2.5 * checkpoint_size(sizing)))
+    try:
+        check_full_disk_cases(tmp_path, corpus, small_disk)
+    finally:
+        subprocess.run(["umount", "-l", str(small_disk)], check=False)
+
+
+def check_full_disk_cases(tmp_path, corpus, small_disk) -> None:
     for name, fault in (("checked", {}), ("unchecked", {"FAULT_SKIP_SPACE_CHECK": 1})):
         run_dir = small_disk / name
         args = tiny_args(

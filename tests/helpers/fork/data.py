@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,14 +22,16 @@ START = 2  # bytes: STX starts every document
 def build_datasets(cfg):
     import datasets
 
-    builder = "csv" if cfg.dataset.endswith(".csv") else "json"
+    path = Path(cfg.dataset)  # one file, or a folder of them
+    files = sorted(str(p) for p in path.glob("*.*")) if path.is_dir() else [cfg.dataset]
+    builder = "csv" if files[0].endswith(".csv") else "json"
     try:
-        files = datasets.load_dataset(
-            builder, data_files={"train": [cfg.dataset]}, streaming=cfg.streaming
+        splits = datasets.load_dataset(
+            builder, data_files={"train": files}, streaming=cfg.streaming
         )
     except Exception as e:
         raise ConfigError(f"dataset '{cfg.dataset}' cannot be read as {builder}: {e}") from None
-    documents = files["train"]
+    documents = splits["train"]
     pack = packer(cfg)
 
     def held_out(document) -> bool:
