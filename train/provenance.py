@@ -129,8 +129,8 @@ def launcher_config(launcher: list[str] | None) -> dict | None:
 
 
 def git_changes() -> dict:
-    """The repository's uncommitted changes: `git diff HEAD` and the untracked files' names (none
-    outside a git checkout)."""
+    """The repository's uncommitted changes: `git diff HEAD` and the untracked files' names (None outside
+    a git checkout)."""
     import subprocess
 
     def git(*args: str) -> str:
@@ -146,6 +146,9 @@ def git_changes() -> dict:
     try:
         diff = git("diff", "HEAD")
         untracked = git("ls-files", "--others", "--exclude-standard").splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return {}
+    except (
+        OSError,
+        subprocess.SubprocessError,
+    ):  # not a git checkout (a copy, an installed package)
+        return {"git_diff": None, "git_untracked": None}
     return {"git_diff": diff, "git_untracked": untracked}
