@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,27 +14,27 @@ from pathlib import Path
 import torch
 
 
+def git(*args: str) -> str:
+    """A git command's output, run in the repository this template was started from."""
+    return subprocess.run(
+        ["git", *args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    ).stdout
+
+
 def git_state() -> tuple[str, bool | None]:
     """(revision, whether tracked files have uncommitted changes); ("unknown", None) outside a git
     checkout."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args],
-            cwd=Path(__file__).resolve().parents[1],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-
     try:
-        return git("rev-parse", "--short=12", "HEAD"), bool(
-            git("status", "--porcelain", "--untracked-files=no")
-        )
+        revision = git("rev-parse", "--short=12", "HEAD").strip()
+        changed = git("status", "--porcelain", "--untracked-files=no").strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown", None
+    return revision, bool(changed)
 
 
 def environment_info() -> dict:
@@ -131,18 +132,6 @@ def launcher_config(launcher: list[str] | None) -> dict | None:
 def git_changes() -> dict:
     """The repository's uncommitted changes: `git diff HEAD` and the untracked files' names (None outside
     a git checkout)."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args],
-            cwd=Path(__file__).resolve().parents[1],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-
     try:
         diff = git("diff", "HEAD")
         untracked = git("ls-files", "--others", "--exclude-standard").splitlines()
