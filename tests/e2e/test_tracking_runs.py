@@ -115,6 +115,14 @@ def test_a_crashed_run_resumes_its_wandb_run_rewound_to_the_checkpoint(tmp_path,
     assert [r["_step"] for r in second["history"]] == list(range(5, 11))
 
 
+def short_wandb_run(out, corpus, tmp_path, env):
+    """4 steps with --tracker wandb in one process, under the W&B settings in `env`."""
+    args = tiny_args(
+        out, corpus, max_steps=4, warmup_steps=1, save_every=0, eval_every=4, tracker="wandb"
+    )
+    return run_python(args, tmp_path, env_extra=env, timeout=180).check()
+
+
 def test_wandb_without_credentials_falls_back_to_offline_and_trains(tmp_path, corpus):
     out = tmp_path / "run"
     env = {
@@ -123,14 +131,7 @@ def test_wandb_without_credentials_falls_back_to_offline_and_trains(tmp_path, co
         "WANDB_CONFIG_DIR": tmp_path / "cfg",
         "WANDB_API_KEY": "",
     }
-    result = run_python(
-        tiny_args(
-            out, corpus, max_steps=4, warmup_steps=1, save_every=0, eval_every=4, tracker="wandb"
-        ),
-        tmp_path,
-        env_extra=env,
-        timeout=180,
-    ).check()
+    result = short_wandb_run(out, corpus, tmp_path, env)
     assert "warning: W&B could not start" in result.output and "offline instead" in result.output
     assert len(offline_runs(out)) == 1 and (out / "model.safetensors").exists()
 
@@ -145,14 +146,7 @@ def test_an_unreachable_wandb_server_costs_the_init_timeout_then_goes_offline(tm
         "WANDB_INIT_TIMEOUT": 5,
     }  # port 9: nothing listens
     started = time.time()
-    result = run_python(
-        tiny_args(
-            out, corpus, max_steps=4, warmup_steps=1, save_every=0, eval_every=4, tracker="wandb"
-        ),
-        tmp_path,
-        env_extra=env,
-        timeout=180,
-    ).check()
+    result = short_wandb_run(out, corpus, tmp_path, env)
     assert time.time() - started < 90
     assert "warning: W&B could not start" in result.output and "offline instead" in result.output
     [offline] = offline_runs(out)
