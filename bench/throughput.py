@@ -421,7 +421,9 @@ def bare_loop(cfg, baton: Baton, sample) -> None:
     each rank taking its slice of every global batch)."""
     import torch
 
+    from compiling import compile_wanted
     from data import build_datasets
+    from lm import transformer_blocks
     from model import build_model
     from optim import build_optimizer, lr_at, set_lr
 
@@ -434,8 +436,10 @@ def bare_loop(cfg, baton: Baton, sample) -> None:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg).to(device)
     optimizer = build_optimizer(model, cfg)
+    if compile_wanted(cfg.compile):  # as the template does: each block in place
+        for block in transformer_blocks(model, "regional compilation"):
+            block.compile()
     model = _ddp(model) if world_size > 1 else model
-    model = torch.compile(model) if cfg.compile else model
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"
     )
@@ -497,6 +501,7 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     import numpy as np
     import torch
 
+    from compiling import compile_wanted
     from data import build_datasets
     from lm import vocab_size
 
@@ -526,7 +531,8 @@ def nanogpt_loop(cfg, baton: Baton, sample, checkout: Path, workdir: str) -> Non
     ).to(device)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), device)
     plain = model
-    model = torch.compile(model) if cfg.compile else model
+    # nanoGPT's train.py compiles the whole model
+    model = torch.compile(model) if compile_wanted(cfg.compile) else model
     model = _ddp(model) if world_size > 1 else model
     ctx = torch.autocast(device, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
 

@@ -40,7 +40,10 @@ def base_env(tmp_root: Path, **extra) -> dict:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+        # TORCHINDUCTOR_: where compiled code is kept is the run's own choice (compiling.py)
+        if not k.startswith(
+            ("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHINDUCTOR_")
+        )
     }
     env.update(
         OMP_NUM_THREADS="1",

@@ -13,11 +13,13 @@ from job import load_checked_config
 
 def test_defaults_yaml_then_cli_precedence(tmp_path):
     yaml_file = tmp_path / "c.yaml"
-    yaml_file.write_text("lr: 0.01\nbatch_size: 3\nmixed_precision: 'no'\n")
+    yaml_file.write_text("lr: 0.01\nbatch_size: 3\nmixed_precision: 'no'\ncompile: false\n")
+    cfg = load_config(["--config", str(yaml_file), "--lr", "5e-4"])
+    assert cfg.compile == "false"  # YAML's bool, for a key of choices
     cfg = load_config(["--config", str(yaml_file), "--lr", "5e-4", "--compile=true"])
     assert cfg.lr == 5e-4  # CLI beats YAML
     assert cfg.batch_size == 3  # YAML beats the default
-    assert cfg.compile is True
+    assert cfg.compile == "true"
     assert cfg.max_steps == TrainConfig().max_steps  # untouched default
 
 
@@ -62,7 +64,7 @@ def test_shipped_presets_load():
         (["--tracker", "mlflow"], "tracker entries must be among none, wandb, tensorboard"),
         (["--resume", "/no/such/checkpoint"], "resume must be '', 'latest' or an existing folder"),
         (["--dropout", "1.5"], "dropout must be in [0, 1)"),
-        (["--compile", "maybe"], "compile must be a bool (got 'maybe')"),
+        (["--compile", "maybe"], "compile must be one of auto, true, false (got 'maybe')"),
         (["--model", "gpt2", "--bias", "true"], "bias applies to the built-in gpt only"),
         (["--lr"], "lr needs a value"),
         (

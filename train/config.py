@@ -88,8 +88,9 @@ class TrainConfig:
     # gpt: biases in its linear and norm layers, as GPT-2 has; without them (nanoGPT's default) it
     # trains as well and 3% faster on CPU, with half the parameter tensors
     bias: bool = False
-    # torch.compile the model (GPU; needs a working compiler toolchain)
-    compile: bool = False
+    # torch.compile each transformer block, keeping the compiled code in the run folder for a resume
+    # (compiling.py): auto = on with CUDA, off on CPU; true | false
+    compile: str = "auto"
     # ---- optimisation
     # optimizer steps of the whole run
     max_steps: int = 300
@@ -263,6 +264,7 @@ CHOICES = {
     "mixed_precision": ("", "no", "bf16", "fp16"),
     "fsdp": ("no", "full", "hybrid"),
     "model_weights": ("pretrained", "config"),
+    "compile": ("auto", "true", "false"),
 }
 
 
@@ -374,6 +376,8 @@ def _coerce(key: str, raw, type_name: str):
             return float(raw)
         except ValueError:
             pass
+    if type_name == "str" and isinstance(raw, bool):  # YAML's true, for a key like compile
+        return str(raw).lower()
     if type_name == "str" and (raw is None or exact and isinstance(raw, (str, int, float))):
         return "" if raw is None else str(raw)
     raise ConfigError(

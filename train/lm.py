@@ -127,7 +127,18 @@ def checkpoint_activations(model: nn.Module) -> None:
     """Each block keeps only its input in forward and recomputes the rest in backward (dropout masks
     too)."""
     for block in transformer_blocks(model, "activation_checkpointing"):
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = recomputed_in_backward(block.forward)
+
+
+def recomputed_in_backward(forward):
+    """forward under torch.utils.checkpoint. A function, not functools.partial: torch.compile traces
+    through it (a compiled block then recomputes with its compiled code), and skips a partial of
+    checkpoint without a word, leaving the block eager."""
+
+    def checkpointed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
 
 
 def flops_per_token(model: nn.Module) -> float:

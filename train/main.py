@@ -33,6 +33,8 @@ from checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
+from compiling import compile_model, compile_wanted
+from compiling import report as compile_report
 from config import TrainConfig
 from data import build_datasets, collate
 from errors import ConfigError, RunError
@@ -172,8 +174,9 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         batches = TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
     # .loss is what eval reports
     check_loss_contract(model, first_eval_batch(eval_set, accelerator.device))
-    if cfg.compile:
-        model = torch.compile(model)
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if compile_wanted(cfg.compile):
+        compile_model(plain_model, cfg.output_dir)  # block by block, in place (compiling.py)
     # dropout masks differ per rank, as they should
     seed_everything(cfg.seed + accelerator.process_index)
     # ---------------------------------------------------------------- resume
@@ -187,7 +190,6 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     cfg = resume_or_start(accelerator, cfg, parts, identity, log)
     # a resumed run continues its W&B run
     state.tracker_run_id = state.tracker_run_id or new_run_id()
-    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     log.start(cfg, state.step, run_info(cfg, accelerator, plain_model, train_set, eval_set))
     log.start_trackers(state.tracker_run_id, state.step)
     tokens_per_step = global_batch * cfg.block_size
@@ -242,6 +244,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
                     "epoch": batches.epoch,
                     "tokens_seen": state.step * tokens_per_step,
                     **throughput.report(),
+                    **compile_report(),  # graphs compiled, and found in the kept cache
                 },
             )
             # the same reduced values on every rank: all stop

@@ -1,0 +1,90 @@
+"""--compile: each transformer block compiled in place, on both paths, under DDP and FSDP2, with the
+compiled code kept in the run folder so that a resume compiles nothing again (compiling.py).
+
+Compiled kernels fuse and reorder float operations, so a compiled run's losses are compared with the
+eager run's within a tolerance (LOSS_TOLERANCE, relative); a compiled run resumed from its kept
+cache runs the very same kernels as the uninterrupted compiled run."""
+
+import math
+
+import pytest
+
+from conftest import (
+    NEEDS_BLOCKS,
+    launch_accelerate,
+    launch_torchrun,
+    model_declares_blocks,
+    read_metrics,
+    tiny_args,
+)
+
+pytestmark = pytest.mark.slow
+
+# measured on this machine: compiled vs eager differ by at most ~1e-7 relative over 6 steps;
+# 1e-4 leaves room for another CPU's vector width, and is far below what a real bug moves
+LOSS_TOLERANCE = 1e-4
+STEPS = dict(max_steps=6, lr_decay_steps=6, warmup_steps=1, save_every=3, eval_every=3, log_every=1)
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+
+
+def compile_counts(run_dir) -> list[tuple[int, int, int]]:
+    """(step, graphs compiled, graphs from the cache) of each metrics row, as logged."""
+    return [
+        (row["step"], row["compile_graphs_compiled"], row["compile_graphs_cached"])
+        for row in read_metrics(run_dir)
+        if "compile_graphs_compiled" in row
+    ]
+
+
+def assert_close(compiled: dict, eager: dict) -> None:
+    assert compiled.keys() == eager.keys()
+    for step in compiled:
+        assert math.isclose(compiled[step], eager[step], rel_tol=LOSS_TOLERANCE), (
+            step,
+            compiled[step],
+            eager[step],
+        )
+
+
+def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_path, corpus):
+    """Accelerate, 2 processes (DDP): compiled vs eager within the tolerance; stopped at step 3 and
+    resumed, the run compiles no graph (dynamo's counters: every graph from the run folder's cache)
+    and its losses are the uninterrupted compiled run's."""
+    whole = tmp_path / "compiled"
+    launch_accelerate(tiny_args(whole, corpus, compile="true", **STEPS), tmp_path).check()
+    eager = tmp_path / "eager"
+    launch_accelerate(tiny_args(eager, corpus, compile="false", **STEPS), tmp_path).check()
+    assert_close(losses(whole), losses(eager))
+    assert not compile_counts(eager)  # eager: nothing compiled, nothing reported
+    assert (whole / "compile_cache").is_dir()
+    first_row = compile_counts(whole)[0]
+    assert first_row[1] > 0 and first_row[2] == 0  # cold: every graph compiled
+
+    resumed = tmp_path / "resumed"
+    first_half = {**STEPS, "max_steps": 3}
+    launch_accelerate(tiny_args(resumed, corpus, compile="true", **first_half), tmp_path).check()
+    resume_args = [*tiny_args(resumed, corpus, compile="true", **STEPS), "--resume", "latest"]
+    launch_accelerate(resume_args, tmp_path).check()
+    after_resume = [row for row in compile_counts(resumed) if row[0] > 3]
+    assert after_resume, compile_counts(resumed)
+    for step, compiled, cached in after_resume:
+        assert compiled == 0 and cached > 0, (step, compiled, cached)
+    assert_close(losses(resumed), losses(whole))
+
+
+@pytest.mark.skipif(not model_declares_blocks(), reason=NEEDS_BLOCKS)
+def test_regional_compile_under_fsdp2_with_activation_checkpointing_on_the_torch_path(
+    tmp_path, corpus
+):
+    """torchrun, 2 processes, FSDP2 (full), every block recomputed in backward: the blocks compile
+    (through the checkpoint) and the losses are the eager run's within the tolerance."""
+    args = dict(fsdp="full", activation_checkpointing="true", **STEPS)
+    compiled = tmp_path / "compiled"
+    launch_torchrun(tiny_args(compiled, corpus, compile="true", **args), tmp_path).check()
+    eager = tmp_path / "eager"
+    launch_torchrun(tiny_args(eager, corpus, compile="false", **args), tmp_path).check()
+    assert compile_counts(compiled)[0][1] > 0
+    assert_close(losses(compiled), losses(eager))
