@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 import checkpoint
 import resume as resuming
+import saving
 from batches import EpochSampler, TrainBatches
 from checkpoint import TrainState, latest_checkpoint
 from config import TrainConfig
@@ -71,7 +72,7 @@ class Job:
     def save(self, step, **state):
         self.state.load_state_dict({"step": step, **state})
         self.data.micro_batches = step * self.cfg.grad_accum_steps
-        return checkpoint.save_checkpoint(self.plumbing, self.cfg, self.parts, step, IDENTITY)
+        return saving.save_checkpoint(self.plumbing, self.cfg, self.parts, step, IDENTITY)
 
     def load(self, folder, identity=IDENTITY):
         problem = checkpoint.checkpoint_problem(folder)
@@ -263,12 +264,12 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_a_save_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     job = Job(tmp_path)
     good = job.save(1)
-    needed = checkpoint.checkpoint_bytes(job.parts, range(1))
+    needed = saving.checkpoint_bytes(job.parts, range(1))
     written = sum(p.stat().st_size for p in good.rglob("*") if p.is_file())
     assert (
         0.9 * written < needed < written + (512 << 10)
     )  # the estimate: the tensors, and 256 KiB more
-    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: needed - 1)
+    monkeypatch.setattr(saving, "free_bytes", lambda folder: needed - 1)
     refusal = (
         "not enough space on .*checkpoints for the checkpoint of step 2: .* free, it needs about"
     )

@@ -11,6 +11,7 @@ from safetensors.torch import load_model
 
 import checkpoint
 import resume as resuming
+import saving
 from checkpoint import TrainState
 from config import TrainConfig
 from conftest import NEEDS_BLOCKS, free_port, model_declares_blocks
@@ -119,7 +120,7 @@ def test_a_sharded_checkpoint_round_trips_bitwise_inside_the_commit_protocol(tmp
         parts["optimizer"], checkpoint.Sharded
     )
     state.step = 1
-    folder = checkpoint.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
+    folder = saving.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
     saved = snapshot(model, optimizer)
     files = json.loads((folder / "manifest.json").read_text())["files"]
     # each a torch.distributed.checkpoint folder, every file checksummed
@@ -146,7 +147,7 @@ def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_pat
     parts = checkpoint.checkpoint_parts(
         plumbing, model=model, optimizer=optimizer, train_state=TrainState()
     )
-    sharded = checkpoint.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
+    sharded = saving.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
     unsharded_cfg = cfg_for(tmp_path / "b")
     plain = TorchDDP(unsharded_cfg)
     plain_model = build_model(unsharded_cfg)
@@ -161,7 +162,7 @@ def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_pat
     ) as refused:
         resuming.resume_from(plain, unsharded_cfg, sharded, plain_parts, IDENTITY)
     assert "\n" not in str(refused.value)
-    unsharded = checkpoint.save_checkpoint(plain, unsharded_cfg, plain_parts, 1, IDENTITY)
+    unsharded = saving.save_checkpoint(plain, unsharded_cfg, plain_parts, 1, IDENTITY)
     with pytest.raises(CheckpointError, match="holds model unsharded and this run's is sharded"):
         resuming.resume_from(plumbing, cfg, unsharded, parts, IDENTITY)
 

@@ -22,7 +22,7 @@ which writes straight into its final folder, pickles RNG states, and trains on a
 
 from __future__ import annotations
 
-import errno
+import copy
 import json
 import os
 import pickle
@@ -36,12 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import xxhash
-import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from errors import CheckpointError, RunError, first_line
-from plumbing import collectively, is_writer
+from errors import CheckpointError, first_line
+from plumbing import collectively
 
 STEP_PREFIX = "step_"
 # not step_N.tmp (being written) nor step_N.stale (being replaced)
@@ -121,6 +120,23 @@ class Weights:
     def load(self, folder: Path, name: str, plumbing) -> None:
         load_model(self.module, str(folder / f"{name}.safetensors"))  # via CPU, copied in place
 
+    def snapshot(self, folder: Path, name: str, process_group) -> StagedWeights:
+        """A copy in CPU memory, to be written later (a background save, saving.py)."""
+        weights, tied = without_tied_copies(self.module, cpu_copy(self.module.state_dict()))
+        return StagedWeights(weights, tied)
+
+
+class StagedWeights(Weights):
+    """Weights copied to CPU memory at the step of the save: the file save_model would write."""
+
+    def __init__(self, weights: dict, tied: dict):
+        self.weights = weights
+        self.tied = tied
+
+    def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
+        if writer:
+            save_safetensors(self.weights, folder / f"{name}.safetensors", self.tied)
+
 
 class Sharded:
     """A sharded (FSDP) model's weights, or with `optimizer` that optimizer's state: every process
@@ -174,6 +190,16 @@ class Sharded:
     def load(self, folder: Path, name: str, plumbing) -> None:
         self._dcp(folder, name, load=True)
 
+    def snapshot(self, folder: Path, name: str, process_group) -> StagedSharded:
+        """DCP's own background save: it copies the shards to CPU memory now, and writes them (with
+        its collectives on `process_group`, a gloo group apart from training's) in a thread."""
+        import torch.distributed.checkpoint as dcp
+
+        writing = dcp.async_save(
+            {name: self}, checkpoint_id=folder / name, process_group=process_group
+        )
+        return StagedSharded(writing)
+
     def _dcp(self, folder: Path, name: str, load: bool) -> None:
         """DCP reports a failure on any process to all of them as one BaseException: re-raised here
         as the first process's error."""
@@ -185,8 +211,28 @@ class Sharded:
             else:
                 dcp.save({name: self}, checkpoint_id=folder / name)
         except dcp.api.CheckpointException as e:
-            error = next(iter(e.failures.values()))[0]
-            raise error if isinstance(error, Exception) else RuntimeError(str(error)) from None
+            raise first_failure(e) from None
+
+
+class StagedSharded(Sharded):
+    """A sharded part DCP is writing in the background: saving it waits for that write."""
+
+    def __init__(self, writing):
+        self.writing = writing
+
+    def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            self.writing.result()
+        except dcp.api.CheckpointException as e:
+            raise first_failure(e) from None
+
+
+def first_failure(error) -> Exception:
+    """DCP reports the failures of all processes as one exception: the first one's."""
+    failure = next(iter(error.failures.values()))[0]
+    return failure if isinstance(failure, Exception) else RuntimeError(str(failure))
 
 
 class PerProcess:
@@ -212,6 +258,9 @@ class PerProcess:
 
     def load(self, folder: Path, name: str, plumbing) -> None:
         self.state.load_state_dict(read_file(folder / f"{name}_rank{plumbing.process_index}.pt"))
+
+    def snapshot(self, folder: Path, name: str, process_group) -> PerProcess:
+        return PerProcess(Frozen(cpu_copy(self.state.state_dict())), self.bound_to_world_size)
 
 
 class Plain:
@@ -250,6 +299,30 @@ class Plain:
     def _path(folder: Path, name: str) -> Path:
         json_file = folder / f"{name}.json"
         return json_file if json_file.is_file() else folder / f"{name}.pt"
+
+    def snapshot(self, folder: Path, name: str, process_group) -> Plain:
+        return Plain(Frozen(cpu_copy(self.state.state_dict())))
+
+
+class Frozen:
+    """A state as it was when copied: what a background save writes while training goes on."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def cpu_copy(value):
+    """A state's copy in CPU memory (tensors copied, containers rebuilt, plain values copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: cpu_copy(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(cpu_copy(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def as_part(value):
@@ -318,7 +391,7 @@ def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name[len(STEP_PREFIX) :])
 
 
-# ---------------------------------------------------------------- save
+# ---------------------------------------------------------------- publish
 
 
 def run_geometry(plumbing, cfg) -> dict:
@@ -331,82 +404,6 @@ def run_geometry(plumbing, cfg) -> dict:
         "global_batch": cfg.batch_size * cfg.grad_accum_steps * plumbing.num_processes,
         "block_size": cfg.block_size,
     }
-
-
-def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Path:
-    """Write, vote, publish by rename, prune. The manifest records the run's geometry and data
-    `identity`, what a resume must find unchanged (resume.py). Collective: call on all ranks; a
-    failure anywhere raises everywhere."""
-    run = {**run_geometry(plumbing, cfg), **identity}
-    final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{step:08d}"
-    tmp = final.with_name(final.name + ".tmp")
-    writer = is_writer(plumbing, cfg.shared_filesystem)
-
-    ranks = node_ranks(plumbing, cfg.shared_filesystem)
-
-    def create_tmp():
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-            check_space(final.parent, checkpoint_bytes(parts, ranks), step)
-            tmp.mkdir(parents=True)
-
-    def write_parts():
-        try:
-            for name, part in parts.items():
-                write_part(tmp, name, as_part(part), plumbing, writer)
-            if writer:  # provenance: the whole resolved config
-                config = yaml.safe_dump(asdict(cfg), sort_keys=False).encode()
-                write_file(tmp / "config.yaml", config)
-        except Exception as e:
-            # torch.save reports a full disk as "enforce fail at inline_container.cc ... unexpected pos"
-            if out_of_space(e, final.parent):
-                raise RunError(
-                    f"no space left on {final.parent} ({human_bytes(free_bytes(final.parent))} free): "
-                    f"the checkpoint of step {step} was not saved, the previous one is intact; free "
-                    f"space (or keep_last fewer), then --resume latest"
-                ) from None
-            raise
-
-    def remove_tmp():
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def commit():
-        if writer:
-            expected = expected_files(parts, ranks)
-            publish(tmp, final, expected, {"step": step, "run": run, "parts": sorted(parts)})
-            prune_checkpoints(cfg.output_dir, cfg.keep_last)
-
-    collectively(plumbing, f"creating {tmp}", create_tmp)
-    collectively(
-        plumbing,
-        f"saving the checkpoint of step {step} to {tmp}",
-        write_parts,
-        on_failure=remove_tmp,
-    )
-    collectively(plumbing, f"committing {final}", commit)
-    return final
-
-
-def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
-    part.save(folder, name, plumbing, writer)
-
-
-def node_ranks(plumbing, shared_filesystem: bool) -> range:
-    """The ranks whose files this writer's copy holds: all, or this node's on node-local disks."""
-    ranks = range(plumbing.num_processes)
-    if shared_filesystem:
-        return ranks
-    # torchrun and accelerate set these
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))
-    node = int(os.environ.get("GROUP_RANK", "0"))
-    return range(node * per_node, (node + 1) * per_node)
-
-
-def checkpoint_bytes(parts: dict, ranks: range) -> int:
-    """About what a checkpoint of these parts writes: their tensors, plus 256 KiB for the small files
-    (plain values, the config, the manifest, torch.save's framing)."""
-    return sum(as_part(part).nbytes(ranks) for part in parts.values()) + (256 << 10)
 
 
 def tensor_bytes(state) -> int:
@@ -428,38 +425,6 @@ def tensor_bytes(state) -> int:
 
     visit(state)
     return sum(storages.values())
-
-
-def check_space(folder: Path, needed: int, step: int) -> None:
-    """Refuse a save that cannot fit, before anything is written (the previous checkpoint stays)."""
-    free = free_bytes(folder)
-    if needed > free:
-        raise RunError(
-            f"not enough space on {folder} for the checkpoint of step {step}: {human_bytes(free)} free, "
-            f"it needs about {human_bytes(needed)}; free space (or keep_last fewer), then --resume latest"
-        )
-
-
-def free_bytes(folder: Path) -> int:
-    """Free bytes on the filesystem of `folder` (or of its nearest existing parent)."""
-    folder = Path(folder)
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return shutil.disk_usage(folder).free
-
-
-def out_of_space(error: Exception, folder: Path) -> bool:
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return free_bytes(folder) < (1 << 20)  # a write that failed on a full disk, whatever it said
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def expected_files(parts: dict, ranks: range) -> list[str]:
@@ -661,7 +626,12 @@ def full_weights(module) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(module, options=options)
+    return without_tied_copies(module, get_model_state_dict(module, options=options))
+
+
+def without_tied_copies(module, state: dict) -> tuple[dict, dict]:
+    """The state without the second names of tied weights, and {dropped: kept}, as save_model
+    stores them (it keeps the first name in sorted order)."""
     dropped = {}
     for group in tied_weights(module):
         kept, *others = sorted(group)

@@ -127,6 +127,9 @@ class TrainConfig:
     save_every: int = 100
     # complete checkpoints kept; older ones are deleted after a newer one is committed
     keep_last: int = 2
+    # write checkpoints in the background: training waits only for a copy to CPU memory, and the
+    # checkpoint is published at a later logging step once every process has written it (saving.py)
+    async_save: bool = True
     # ---- distributed
     # collective timeout; raise it if one node prepares data much longer than others
     dist_timeout_s: int = 1800

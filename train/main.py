@@ -25,14 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
 from batches import EpochSampler, TrainBatches, data_identity, fast_reader
-from checkpoint import (
-    PerProcess,
-    TrainState,
-    checkpoint_parts,
-    export_model,
-    latest_checkpoint,
-    save_checkpoint,
-)
+from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model, latest_checkpoint
 from compiling import compile_model, compile_wanted
 from compiling import report as compile_report
 from config import TrainConfig
@@ -53,6 +46,7 @@ from optim import build_optimizer, lr_at, set_lr
 from plumbing import Plumbing, check_world_size, init_process_group
 from provenance import environment_info
 from resume import resume_or_start
+from saving import Checkpointer
 from streaming import StreamBatches
 from tracking import MetricsLogger, Throughput, new_run_id
 
@@ -188,6 +182,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     # pruned with the rest
     # the config is settled from here on
     cfg = resume_or_start(accelerator, cfg, parts, identity, log)
+    checkpointer = Checkpointer(accelerator, cfg, parts, identity, log)
     # a resumed run continues its W&B run
     state.tracker_run_id = state.tracker_run_id or new_run_id()
     log.start(cfg, state.step, run_info(cfg, accelerator, plain_model, train_set, eval_set))
@@ -247,6 +242,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
                     **compile_report(),  # graphs compiled, and found in the kept cache
                 },
             )
+            # a checkpoint written in the background is published once all ranks have written it
+            checkpointer.commit_if_written()
             # the same reduced values on every rank: all stop
             if not math.isfinite(mean_loss) or bad_grads:
                 raise TrainingDiverged(state.step, mean_loss, latest_checkpoint(cfg.output_dir))
@@ -256,9 +253,9 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         if state.step % cfg.eval_every == 0 or is_last:
             log.log(state.step, evaluate(model, eval_loader, accelerator))
         if saving or stopping:
-            path = save_checkpoint(accelerator, cfg, parts, state.step, identity)
-            log.info(f"checkpoint: {path}")
+            checkpointer.save(state.step)  # with async_save, written while training goes on
         if stopping:
+            path = checkpointer.finish()  # written, voted and published before the exit
             log.stopped(
                 state.step, stop_signals.signal_name or "a signal on another rank", str(path)
             )
@@ -267,10 +264,12 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         if state.step % cfg.eval_every == 0 or saving:
             throughput.restart()  # eval and checkpoint time is not training throughput
     # ---------------------------------------------------------------- save
+    # the last checkpoint goes on being written while the model is exported
     path = export_model(
         accelerator, model, cfg.output_dir, save_extras=lambda folder: save_tokenizer(cfg, folder)
     )
     log.info(f"model: {path}")
+    checkpointer.finish()
     # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
     log.close()
     return 0

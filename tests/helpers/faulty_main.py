@@ -45,6 +45,7 @@ import checkpoint  # noqa: E402
 import job  # noqa: E402
 import main  # noqa: E402
 import resume  # noqa: E402
+import saving  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -75,13 +76,13 @@ def inject_step_fault(step: int, action: str) -> None:
 
 def inject_save_fault(point: str, save_number: int) -> None:
     saves = {"n": 0}
-    original_save = checkpoint.save_checkpoint
+    original_start = saving.Transaction.__init__
 
-    def counting_save(*args, **kwargs):
+    def counting_start(self, *args, **kwargs):  # a save begins, in the loop or in the background
         saves["n"] += 1
-        return original_save(*args, **kwargs)
+        original_start(self, *args, **kwargs)
 
-    main.save_checkpoint = counting_save
+    saving.Transaction.__init__ = counting_start
 
     def due() -> bool:
         return saves["n"] == save_number and armed()
@@ -96,16 +97,16 @@ def inject_save_fault(point: str, save_number: int) -> None:
         return wrapper
 
     if point == "after_model":
-        checkpoint.save_model = die_after(checkpoint.save_model)
+        checkpoint.save_safetensors = die_after(checkpoint.save_safetensors)
     elif point == "after_parts":  # after this process wrote its last part
-        original_write = checkpoint.write_part
+        original_write = saving.write_part
 
         def write_part(folder, name, *args):
             original_write(folder, name, *args)
             if name == "rng" and due():
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        checkpoint.write_part = write_part
+        saving.write_part = write_part
     elif point == "before_publish":
         original = checkpoint.publish
 
@@ -182,13 +183,16 @@ def kill_at_event(n: int) -> None:
 
         return wrapper
 
-    job.collectively = checkpoint.collectively = resume.collectively = counted(job.collectively)
-    # mid-save on the writer: its weights are written, the optimizer's state not yet
-    checkpoint.write_part = counted(
-        checkpoint.write_part,
+    counted_collectively = counted(job.collectively)
+    job.collectively = checkpoint.collectively = resume.collectively = counted_collectively
+    saving.collectively = counted_collectively
+    # mid-save on the writer (in the background with async_save): its weights are written, the
+    # optimizer's state not yet
+    saving.write_part = counted(
+        saving.write_part,
         lambda folder, name, part, plumbing, writer: writer and name == "optimizer",
     )
-    checkpoint.prune_checkpoints = counted(checkpoint.prune_checkpoints)
+    saving.prune_checkpoints = counted(saving.prune_checkpoints)
     job.StopSignals.requested = counted(job.StopSignals.requested)
     main.build_datasets = counted(main.build_datasets)
 
@@ -283,7 +287,7 @@ if __name__ == "__main__":
     if "FAULT_DISK_FULL_STEP" in os.environ:
         inject_disk_full(int(os.environ["FAULT_DISK_FULL_STEP"]))
     if os.environ.get("FAULT_SKIP_SPACE_CHECK") == "1":
-        checkpoint.check_space = lambda *args: None
+        saving.check_space = lambda *args: None
     if "FAULT_SLOW_S" in os.environ:
         slow_down(float(os.environ["FAULT_SLOW_S"]))
     if "RECORD_SAMPLES" in os.environ:

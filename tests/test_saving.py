@@ -1,0 +1,97 @@
+"""saving.Checkpointer in one process: a background save writes the state of the step it was taken
+at (training goes on changing it meanwhile), publishes only when finished, keeps at most one save in
+flight, and a failed background write is an error that leaves the previous checkpoint the newest."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import checkpoint
+import saving
+from checkpoint import committed_checkpoints, latest_checkpoint
+from errors import RunError
+from test_checkpoint import Job, Log
+
+
+def weights_of(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def background(job: Job) -> saving.Checkpointer:
+    return saving.Checkpointer(job.plumbing, job.cfg, job.parts, {"seed": 1}, Log())
+
+
+def test_a_background_save_holds_the_state_of_its_step_while_training_changes_it(tmp_path):
+    job = Job(tmp_path, async_save=True)
+    saver = background(job)
+    job.state.step = 1
+    at_save = {name: tensor.clone() for name, tensor in job.model.state_dict().items()}
+    optimizer_at_save = checkpoint.cpu_copy(job.optimizer.state_dict())
+    saver.save(1)
+    with torch.no_grad():  # training goes on: the weights and the optimizer's state change
+        for parameter in job.model.parameters():
+            parameter.add_(1.0)
+    for state in job.optimizer.state.values():
+        state["exp_avg"].add_(1.0)
+    job.state.step = 2
+    folder = saver.finish()
+    assert folder == latest_checkpoint(job.cfg.output_dir)
+    saved = weights_of(folder)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, at_save[name]), name
+    optimizer_saved = torch.load(folder / "optimizer.pt", weights_only=True)
+    for key, state in optimizer_saved["state"].items():
+        assert torch.equal(state["exp_avg"], optimizer_at_save["state"][key]["exp_avg"])
+    assert checkpoint.read_file(folder / "train_state.json")["step"] == 1
+    assert "written in the background" in saver.log.lines[-1]
+
+
+def test_a_background_save_equals_the_same_save_in_the_loop(tmp_path):
+    """The same state saved both ways: every file but the manifest (which names the folder's own
+    checksums) and the config (its async_save key) holds the same values."""
+    job = Job(tmp_path, async_save=True)
+    saver = background(job)
+    job.state.step = 3
+    saver.save(3)
+    in_background = saver.finish()
+    loop_cfg = replace(job.cfg, output_dir=str(tmp_path / "in_the_loop"))
+    in_the_loop = saving.save_checkpoint(job.plumbing, loop_cfg, job.parts, 3, {"seed": 1})
+    assert sorted(p.name for p in in_background.iterdir()) == sorted(
+        p.name for p in in_the_loop.iterdir()
+    )
+    assert weights_of(in_background).keys() == weights_of(in_the_loop).keys()
+    for name, tensor in weights_of(in_background).items():
+        assert torch.equal(tensor, weights_of(in_the_loop)[name])
+    for name in ("train_state.json", "data.json", "optimizer.pt", "rng_rank0.pt"):
+        assert str(checkpoint.read_file(in_background / name)) == str(
+            checkpoint.read_file(in_the_loop / name)
+        ), name
+
+
+def test_at_most_one_save_in_flight_and_a_failed_write_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch
+):
+    job = Job(tmp_path, async_save=True)
+    saver = background(job)
+    saver.save(1)
+    saver.save(2)  # publishes step 1 first
+    assert [p.name for p in committed_checkpoints(job.cfg.output_dir)] == ["step_00000001"]
+    saver.in_flight.thread.join()  # the write of step 2 has finished
+    saver.commit_if_written()  # at a logging step: published
+    assert saver.in_flight is None
+    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000002"
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saving, "write_part", full_disk)
+    monkeypatch.setattr(saving, "check_space", lambda *args: None)  # the disk fills during the write
+    monkeypatch.setattr(saving, "free_bytes", lambda folder: 0)
+    saver.save(3)  # the copy to CPU memory succeeds; the write in the background fails
+    with pytest.raises(RunError, match="no space left on .*: the checkpoint of step 3 was not"):
+        saver.finish()
+    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000002"
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))

@@ -1,0 +1,272 @@
+"""Saving a checkpoint: one transaction, in the loop or in the background (--async_save, the default).
+
+    in the loop          create step_N.tmp, every process writes its parts, vote, publish, prune
+    in the background    create step_N.tmp, every process copies its parts to CPU memory (the only
+                         time training waits) and goes on training while a thread writes them; at a
+                         later logging step, once every process has finished writing: vote, publish,
+                         prune
+
+Either way a checkpoint is complete under its final name or absent: the manifest and the rename
+(checkpoint.publish) run only after every process's write has finished and all voted. At most one save
+is in flight: the next save, a stop signal and the end of training first finish it (wait, vote,
+publish). A failed write on any process is an error on every process (plumbing.collectively), and the
+previous checkpoint stays the newest. A crash while a save is in flight leaves step_N.tmp, never
+loaded and removed after the next commit.
+
+The format of each part (what a copy in CPU memory of it is, how it is written) is checkpoint.py's;
+sharded parts are written by torch.distributed.checkpoint's own async_save, whose collectives run on
+a gloo group of their own so that they never interleave with training's.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from checkpoint import (
+    STEP_PREFIX,
+    Sharded,
+    as_part,
+    checkpoint_root,
+    expected_files,
+    prune_checkpoints,
+    publish,
+    run_geometry,
+    write_file,
+)
+from errors import RunError
+from plumbing import collectively, is_writer
+
+
+class Checkpointer:
+    """The loop's one handle on saving: save(step) at a save step, commit_if_written() at each
+    logging step, finish() before stopping. Every method is collective (all ranks, same step)."""
+
+    def __init__(self, plumbing, cfg, parts: dict, identity: dict, log):
+        self.plumbing = plumbing
+        self.cfg = cfg
+        self.parts = parts
+        self.identity = identity
+        self.log = log
+        self.in_flight: BackgroundSave | None = None
+        self.last_path: Path | None = None
+        self.dcp_group = None
+        sharded = any(isinstance(as_part(part), Sharded) for part in parts.values())
+        if cfg.async_save and sharded and dist.is_initialized():
+            self.dcp_group = dist.new_group(backend="gloo")  # collective: every rank creates it
+
+    def save(self, step: int) -> None:
+        """Save this step's checkpoint: written before returning, or (async_save) copied to CPU
+        memory and written in the background."""
+        self.finish()  # at most one save in flight
+        started = time.perf_counter()
+        transaction = Transaction(self.plumbing, self.cfg, self.parts, step, self.identity)
+        if not self.cfg.async_save:
+            transaction.run()
+            self.committed(transaction, blocked_s=time.perf_counter() - started)
+            return
+        self.in_flight = BackgroundSave(transaction, self.dcp_group)
+        self.in_flight.blocked_s = time.perf_counter() - started
+
+    def commit_if_written(self) -> None:
+        """At a logging step: publish the save in flight if every process has finished writing it
+        (one small all-reduce, only while a save is in flight)."""
+        if self.in_flight is None:
+            return
+        still_writing = float(self.in_flight.thread.is_alive())
+        flag = torch.tensor(still_writing, device=self.plumbing.device)
+        if self.plumbing.reduce(flag, "sum").item() == 0:
+            self.finish()
+
+    def finish(self) -> Path | None:
+        """Wait for the save in flight, vote and publish it; returns the newest committed checkpoint
+        of this run (None before the first)."""
+        if self.in_flight is None:
+            return self.last_path
+        save, self.in_flight = self.in_flight, None
+        waited = time.perf_counter()
+        save.thread.join()
+        save.blocked_s += time.perf_counter() - waited
+        transaction = save.transaction
+        collectively(
+            self.plumbing,
+            f"saving the checkpoint of step {transaction.step} to {transaction.tmp}",
+            save.raise_error,
+            on_failure=transaction.remove_tmp,
+        )
+        collectively(self.plumbing, f"committing {transaction.final}", transaction.commit)
+        self.committed(transaction, blocked_s=save.blocked_s, written_s=save.written_s)
+        return self.last_path
+
+    def committed(self, transaction, blocked_s: float, written_s: float | None = None) -> None:
+        self.last_path = transaction.final
+        said = f"checkpoint: {transaction.final} (training waited {blocked_s:.2f} s"
+        if written_s is not None:
+            said += f"; written in the background in {written_s:.2f} s"
+        self.log.info(said + ")")
+
+
+class BackgroundSave:
+    """One save in flight: its parts copied to CPU memory (collectively: a failure there is an error
+    on every process), then written by a thread of this process."""
+
+    def __init__(self, transaction: Transaction, dcp_group):
+        self.transaction = transaction
+        self.error: BaseException | None = None
+        self.written_s = 0.0
+        self.blocked_s = 0.0
+        self.staged = {}
+
+        def create_and_copy():
+            transaction.create_tmp()
+            for name, part in transaction.parts.items():
+                self.staged[name] = as_part(part).snapshot(transaction.tmp, name, dcp_group)
+
+        collectively(transaction.plumbing, f"creating {transaction.tmp}", create_and_copy)
+        self.thread = threading.Thread(target=self.write, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def write(self) -> None:
+        started = time.perf_counter()
+        try:
+            self.transaction.write_parts(self.staged)
+        except BaseException as e:  # reported by the main thread, on every process (raise_error)
+            self.error = e
+        self.written_s = time.perf_counter() - started
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class Transaction:
+    """The phases of one save: create the tmp folder (after a free-space check), write the parts,
+    commit (manifest, rename, prune), or remove the tmp folder after a failure anywhere."""
+
+    def __init__(self, plumbing, cfg, parts: dict, step: int, identity: dict):
+        self.plumbing = plumbing
+        self.cfg = cfg
+        self.parts = parts
+        self.step = step
+        self.run_identity = {**run_geometry(plumbing, cfg), **identity}
+        self.final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{step:08d}"
+        self.tmp = self.final.with_name(self.final.name + ".tmp")
+        self.writer = is_writer(plumbing, cfg.shared_filesystem)
+        self.ranks = node_ranks(plumbing, cfg.shared_filesystem)
+
+    def run(self) -> None:
+        """The whole save, in the loop."""
+        collectively(self.plumbing, f"creating {self.tmp}", self.create_tmp)
+        collectively(
+            self.plumbing,
+            f"saving the checkpoint of step {self.step} to {self.tmp}",
+            lambda: self.write_parts(self.parts),
+            on_failure=self.remove_tmp,
+        )
+        collectively(self.plumbing, f"committing {self.final}", self.commit)
+
+    def create_tmp(self) -> None:
+        if self.writer:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            check_space(self.final.parent, checkpoint_bytes(self.parts, self.ranks), self.step)
+            self.tmp.mkdir(parents=True)
+
+    def write_parts(self, parts: dict) -> None:
+        try:
+            for name, part in parts.items():
+                write_part(self.tmp, name, as_part(part), self.plumbing, self.writer)
+            if self.writer:  # provenance: the whole resolved config
+                config = yaml.safe_dump(asdict(self.cfg), sort_keys=False).encode()
+                write_file(self.tmp / "config.yaml", config)
+        except Exception as e:
+            # torch.save reports a full disk as "enforce fail at inline_container.cc ... unexpected pos"
+            folder = self.final.parent
+            if out_of_space(e, folder):
+                raise RunError(
+                    f"no space left on {folder} ({human_bytes(free_bytes(folder))} free): the "
+                    f"checkpoint of step {self.step} was not saved, the previous one is intact; "
+                    f"free space (or keep_last fewer), then --resume latest"
+                ) from None
+            raise
+
+    def remove_tmp(self) -> None:
+        if self.writer:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def commit(self) -> None:
+        if self.writer:
+            expected = expected_files(self.parts, self.ranks)
+            about = {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
+            publish(self.tmp, self.final, expected, about)
+            prune_checkpoints(self.cfg.output_dir, self.cfg.keep_last)
+
+
+def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Path:
+    """Write, vote, publish by rename, prune, in the loop. The manifest records the run's geometry
+    and data `identity`, what a resume must find unchanged (resume.py). Collective: call on all
+    ranks; a failure anywhere raises everywhere."""
+    transaction = Transaction(plumbing, cfg, parts, step, identity)
+    transaction.run()
+    return transaction.final
+
+
+def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
+    part.save(folder, name, plumbing, writer)
+
+
+def node_ranks(plumbing, shared_filesystem: bool) -> range:
+    """The ranks whose files this writer's copy holds: all, or this node's on node-local disks."""
+    ranks = range(plumbing.num_processes)
+    if shared_filesystem:
+        return ranks
+    # torchrun and accelerate set these
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    return range(node * per_node, (node + 1) * per_node)
+
+
+def checkpoint_bytes(parts: dict, ranks: range) -> int:
+    """About what a checkpoint of these parts writes: their tensors, plus 256 KiB for the small files
+    (plain values, the config, the manifest, torch.save's framing)."""
+    return sum(as_part(part).nbytes(ranks) for part in parts.values()) + (256 << 10)
+
+
+def check_space(folder: Path, needed: int, step: int) -> None:
+    """Refuse a save that cannot fit, before anything is written (the previous checkpoint stays)."""
+    free = free_bytes(folder)
+    if needed > free:
+        raise RunError(
+            f"not enough space on {folder} for the checkpoint of step {step}: {human_bytes(free)} free, "
+            f"it needs about {human_bytes(needed)}; free space (or keep_last fewer), then --resume latest"
+        )
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the filesystem of `folder` (or of its nearest existing parent)."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def out_of_space(error: Exception, folder: Path) -> bool:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return free_bytes(folder) < (1 << 20)  # a write that failed on a full disk, whatever it said
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
