@@ -191,14 +191,17 @@ class Sharded:
         self._dcp(folder, name, load=True)
 
     def snapshot(self, folder: Path, name: str, process_group) -> StagedSharded:
-        """DCP's own background save: it copies the shards to CPU memory now, and writes them (with
-        its collectives on `process_group`, a gloo group apart from training's) in a thread."""
-        import torch.distributed.checkpoint as dcp
+        """This process's shards copied to CPU memory (DCP's own stager: DTensors stay DTensors),
+        written later by dcp.save with its collectives on `process_group`, a gloo group apart from
+        training's (a background save, saving.py)."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        writing = dcp.async_save(
-            {name: self}, checkpoint_id=folder / name, process_group=process_group
-        )
-        return StagedSharded(writing)
+        stager = DefaultStager(StagingOptions(False, False, False, False))  # synchronous, unpinned
+        try:
+            staged = stager.stage(self.state_dict())
+        finally:
+            stager.close()
+        return StagedSharded(staged, process_group)
 
     def _dcp(self, folder: Path, name: str, load: bool) -> None:
         """DCP reports a failure on any process to all of them as one BaseException: re-raised here
@@ -215,16 +218,21 @@ class Sharded:
 
 
 class StagedSharded(Sharded):
-    """A sharded part DCP is writing in the background: saving it waits for that write."""
+    """A sharded part's state copied to CPU memory at the step of the save, written by the
+    background writer (parts are written one after another there, so the collectives of two DCP
+    saves never interleave)."""
 
-    def __init__(self, writing):
-        self.writing = writing
+    def __init__(self, staged: dict, process_group):
+        self.staged = staged
+        self.process_group = process_group
 
     def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
         try:
-            self.writing.result()
+            dcp.save(
+                {name: self.staged}, checkpoint_id=folder / name, process_group=self.process_group
+            )
         except dcp.api.CheckpointException as e:
             raise first_failure(e) from None
 
