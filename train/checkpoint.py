@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from errors import CheckpointError, first_line
+from hangs import patiently
 from plumbing import collectively
 
 STEP_PREFIX = "step_"
@@ -623,7 +624,8 @@ def export_model(plumbing, model, output_dir: str, save_extras=None) -> Path:
         else:
             write_safetensors()
 
-    collectively(plumbing, f"exporting {path}", write)
+    with patiently("the export"):  # gathering and writing the whole model takes a while
+        collectively(plumbing, f"exporting {path}", write)
     return path
 
 

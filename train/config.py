@@ -131,8 +131,15 @@ class TrainConfig:
     # checkpoint is published at a later logging step once every process has written it (saving.py)
     async_save: bool = True
     # ---- distributed
-    # collective timeout; raise it if one node prepares data much longer than others
+    # collective timeout at start-up (data preparation, the first step), saves and the export; raise
+    # it if one node prepares data much longer than others
     dist_timeout_s: int = 1800
+    # collective timeout of a training step: a rank that stops calling collectives is caught and
+    # named this soon (hangs.py)
+    step_timeout_s: int = 300
+    # metrics.jsonl names a rank straggler_rank when its time alone in a step (data, forward) is this
+    # many times the median of the other ranks
+    straggler_factor: float = 2.0
     # torch_ddp.py: no (DDP) | full (FSDP2: each block and the root sharded over all processes) |
     # hybrid (HSDP: sharded in a node, replicated across nodes); main.py: the accelerate config's
     fsdp: str = "no"
@@ -228,6 +235,8 @@ class TrainConfig:
         why = "must be 0 with streaming (the stream is read in the training process, where its position is saved)"
         _require("num_workers", workers_ok, why, self.num_workers)
         _require("text_column", self.text_column != "", "must not be empty", self.text_column)
+        factor_ok = self.straggler_factor > 1
+        _require("straggler_factor", factor_ok, "must be > 1", self.straggler_factor)
 
 
 # ---------------------------------------------------------------- what validate() checks
@@ -244,6 +253,7 @@ POSITIVE = (
     "eval_every",
     "keep_last",
     "dist_timeout_s",
+    "step_timeout_s",
     "bucket_cap_mb",
     "shuffle_buffer",
     "streaming_eval_blocks",

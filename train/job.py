@@ -25,6 +25,7 @@ import torch.distributed as dist
 from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
 from config import TrainConfig, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line
+from hangs import explain as explain_hang
 from lm import check_dataset_name, check_model_and_tokenizer
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
@@ -243,9 +244,13 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
     except RuntimeError as e:
         if not lost_a_peer(e):
             raise  # a bug: its traceback is the useful output
-        # a peer process died or hung: its own line (or the launcher's summary) says why, so this
-        # one waits its turn, even on rank 0
-        lost = RunError(f"lost contact with another process ({first_line(e)})")
+        hang = explain_hang(e)  # which ranks did not arrive, and where each one was
+        if hang is not None and "timed out" in hang:
+            # a hung rank says nothing itself: this line is the job's (rank 0's first)
+            exit_with_error(RunError(hang))
+        # a peer process died: its own line (or the launcher's summary) says why, so this one waits
+        # its turn, even on rank 0
+        lost = RunError(hang or f"lost contact with another process ({first_line(e)})")
         exit_with_error(lost, another_process_failed=True)
     finally:
         close_process_group()

@@ -31,6 +31,7 @@ from compiling import report as compile_report
 from config import TrainConfig
 from data import build_datasets, collate
 from errors import ConfigError, RunError
+from hangs import Watch
 from job import claim_run_folder, load_config_or_exit, run_or_exit, stop_signals
 from lm import (
     build_causal_lm,
@@ -139,6 +140,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     # settles output_dir and locks it: one job per run folder
     cfg = claim_run_folder(cfg, accelerator, identity)
     log = MetricsLogger(cfg, accelerator)  # writes on the main process, a no-op elsewhere
+    # where this rank is, for the line that names a hung rank, and its timing against the others'
+    watch = Watch(accelerator, cfg)
     sampler = None
     train_loader = None  # streaming: each process reads its own share of the stream (streaming.py)
     if not cfg.streaming:
@@ -206,13 +209,19 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         for _ in range(cfg.grad_accum_steps):
             # DDP's gradient all-reduce runs on the last micro-step only
             with accelerator.accumulate(model):
-                loss = model(**next(batches)).loss
-                accelerator.backward(loss)  # divides by grad_accum_steps (and scales, for fp16)
+                # the watch notes each phase (where a hang is) and times data and forward (stragglers)
+                batch = watch.enter("data", next, batches)
+                loss = watch.enter("forward", model, **batch).loss
+                # divides by grad_accum_steps (and scales, for fp16); DDP's all-reduce runs in it
+                watch.enter("backward", accelerator.backward, loss)
                 step_loss += loss.detach() / cfg.grad_accum_steps
                 # the last micro-step: clip, set this step's LR, update
                 if accelerator.sync_gradients:
                     max_norm = cfg.max_grad_norm or math.inf
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                    parameters = model.parameters()
+                    grad_norm = watch.enter(
+                        "optimizer", accelerator.clip_grad_norm_, parameters, max_norm
+                    )
                     # FSDP: a DTensor; the same value on every rank
                     grad_norm = full_tensor(grad_norm)
                     bad_grad_steps += ~torch.isfinite(grad_norm)
@@ -220,6 +229,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
         state.step += 1
+        watch.step_done(state.step)  # after the first step: step_timeout_s
         throughput.step()
         is_last = state.step == cfg.max_steps
         stopping = False
@@ -240,6 +250,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
                     "tokens_seen": state.step * tokens_per_step,
                     **throughput.report(),
                     **compile_report(),  # graphs compiled, and found in the kept cache
+                    **watch.stragglers(),  # collective: the slowest rank against the median
                 },
             )
             # a checkpoint written in the background is published once all ranks have written it

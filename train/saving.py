@@ -44,6 +44,7 @@ from checkpoint import (
     write_file,
 )
 from errors import RunError
+from hangs import patiently
 from plumbing import collectively, is_writer
 
 
@@ -70,11 +71,12 @@ class Checkpointer:
         self.finish()  # at most one save in flight
         started = time.perf_counter()
         transaction = Transaction(self.plumbing, self.cfg, self.parts, step, self.identity)
-        if not self.cfg.async_save:
-            transaction.run()
-            self.committed(transaction, blocked_s=time.perf_counter() - started)
-            return
-        self.in_flight = BackgroundSave(transaction, self.dcp_group)
+        with patiently("a checkpoint save"):  # a slow disk on one rank is no hang
+            if not self.cfg.async_save:
+                transaction.run()
+                self.committed(transaction, blocked_s=time.perf_counter() - started)
+                return
+            self.in_flight = BackgroundSave(transaction, self.dcp_group)
         self.in_flight.blocked_s = time.perf_counter() - started
 
     def commit_if_written(self) -> None:
@@ -94,16 +96,17 @@ class Checkpointer:
             return self.last_path
         save, self.in_flight = self.in_flight, None
         waited = time.perf_counter()
-        save.thread.join()
-        save.blocked_s += time.perf_counter() - waited
         transaction = save.transaction
-        collectively(
-            self.plumbing,
-            f"saving the checkpoint of step {transaction.step} to {transaction.tmp}",
-            save.raise_error,
-            on_failure=transaction.remove_tmp,
-        )
-        collectively(self.plumbing, f"committing {transaction.final}", transaction.commit)
+        with patiently("a checkpoint save"):  # the others wait here for the slowest writer
+            save.thread.join()
+            save.blocked_s += time.perf_counter() - waited
+            collectively(
+                self.plumbing,
+                f"saving the checkpoint of step {transaction.step} to {transaction.tmp}",
+                save.raise_error,
+                on_failure=transaction.remove_tmp,
+            )
+            collectively(self.plumbing, f"committing {transaction.final}", transaction.commit)
         self.committed(transaction, blocked_s=save.blocked_s, written_s=save.written_s)
         return self.last_path
 

@@ -22,6 +22,11 @@ Environment variables, each optional, read once at start-up:
     FAULTY_ENTRY=torch_ddp  run train/torch_ddp.py's main() instead of train/main.py's
     FAULT_SKIP_SPACE_CHECK=1  no free-space check before a save: the write itself meets the full disk
     FAULT_SLOW_S=s        sleep s seconds at each logging step: a run long enough to be interrupted mid-way
+    FAULT_SLOW_WRITE_S=s  a background save's writer sleeps s seconds before the optimizer's part: a save
+                          stays in flight for the next logging steps (only the FAULT_SAVE_NUMBER-th, if set)
+    FAULT_HANG_BATCH=n    this rank's n-th micro-batch never comes (a stalled loader): the others wait in their
+                          next collective
+    FAULT_SLOW_DATA_S=s   every batch comes s seconds late on this rank (a straggler)
     RECORD_SAMPLES=dir    each rank writes the train sample indices (streaming: block ids) it drew to dir/rank{r}.json
 """
 
@@ -209,6 +214,47 @@ def slow_down(seconds: float) -> None:
     job.StopSignals.requested = requested
 
 
+def slow_background_writes(seconds: float) -> None:
+    import threading
+    import time
+
+    original = saving.write_part
+    only_save = int(os.environ.get("FAULT_SAVE_NUMBER", "0"))  # 0: every save
+    saves = {"n": 0}
+
+    def write_part(folder, name, *args):
+        if name == "optimizer" and threading.current_thread().name == "checkpoint-writer":
+            saves["n"] += 1
+            if only_save in (0, saves["n"]):
+                time.sleep(seconds)
+        original(folder, name, *args)
+
+    saving.write_part = write_part
+
+
+def delay_batches(seconds: float, from_call: int = 1) -> None:
+    """Each micro-batch from the from_call-th on comes `seconds` late on this rank."""
+    import time
+
+    from batches import TrainBatches
+    from streaming import StreamBatches
+
+    calls = {"n": 0}
+    is_armed = armed()
+
+    def late(original):
+        def next_batch(self):
+            calls["n"] += 1
+            if is_armed and calls["n"] >= from_call:
+                time.sleep(seconds)
+            return original(self)
+
+        return next_batch
+
+    TrainBatches.__next__ = late(TrainBatches.__next__)
+    StreamBatches.__next__ = late(StreamBatches.__next__)
+
+
 def inject_disk_full(step: int) -> None:
     import tracking
 
@@ -290,6 +336,12 @@ if __name__ == "__main__":
         saving.check_space = lambda *args: None
     if "FAULT_SLOW_S" in os.environ:
         slow_down(float(os.environ["FAULT_SLOW_S"]))
+    if "FAULT_SLOW_WRITE_S" in os.environ:
+        slow_background_writes(float(os.environ["FAULT_SLOW_WRITE_S"]))
+    if "FAULT_HANG_BATCH" in os.environ:
+        delay_batches(1e9, from_call=int(os.environ["FAULT_HANG_BATCH"]))
+    if "FAULT_SLOW_DATA_S" in os.environ:
+        delay_batches(float(os.environ["FAULT_SLOW_DATA_S"]))
     if "RECORD_SAMPLES" in os.environ:
         record_samples(os.environ["RECORD_SAMPLES"])
     if os.environ.get("FAULTY_ENTRY") == "torch_ddp":

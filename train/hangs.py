@@ -1,0 +1,258 @@
+"""Hangs and stragglers, named.
+
+A hang: a rank stops calling collectives (a data stall, a deadlock, a dead GPU) and the others wait
+in their next one. How long they wait:
+    dist_timeout_s    start-up (data preparation, the first step with its compile), checkpoint saves
+                      and the export: long, for the slow but healthy
+    step_timeout_s    every training step after the first: a hang is caught in minutes, not 30
+(the process group's own timeout, switched between the two with torch.distributed's _set_pg_timeout).
+
+Where each rank is: a note of its step and phase (data, forward, backward: DDP's gradient all-reduce,
+optimizer, between steps: logging votes, eval, the checkpoint) kept up to date by the loop. When a
+collective fails on a rank (timed out, or a peer gone), that rank publishes its note in the job's
+store and raises the alarm there; a thread on every other rank, asleep on that alarm, wakes and
+publishes its own note with its main thread's Python stack (where it is stuck). Every note goes to
+<output_dir>/hangs/rank{r}.json as well, and the job's one error line names the rank(s) that did not
+arrive and where each one was. A rank that never answers is named too: gone (killed, or stuck
+where Python cannot run). A rank that was stuck exits after the line is said.
+
+Stragglers: each rank times what it does alone in a step, with no collective in it under DDP:
+waiting for its data and the forward pass (the backward pass includes the gradient all-reduce, where
+the fast ranks wait for the slow one). At each logging step the ranks share these times; metrics.jsonl
+has the slowest rank and its time against the median's, and names it `straggler_rank` (with a
+warning) when it is more than straggler_factor times slower. Under FSDP the forward pass gathers
+weights (a collective), so there a straggler shows in its data time only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from errors import first_line
+
+ANSWER_WAIT_S = 5.0  # how long the rank that saw the failure waits for the others' notes
+HANGS_FOLDER = "hangs"
+_watch: Watch | None = None  # this process's, once the run folder is known
+
+
+class Watch:
+    """This rank's note of where it is, its share of the straggler timing, and the thread that
+    answers another rank's alarm. One per process (train() makes it)."""
+
+    def __init__(self, plumbing, cfg):
+        global _watch
+        self.plumbing = plumbing
+        self.cfg = cfg
+        self.rank = plumbing.process_index
+        self.world_size = plumbing.num_processes
+        self.note = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid()}
+        self.note.update(step=0, phase="start-up")
+        self.training = False
+        self.completed = 0  # optimizer steps done: the phases of a step are noted for the next one
+        self.saw_failure = False
+        self.alone_s = {"data": 0.0, "forward": 0.0}
+        self.gpu_forward_events = []
+        self.store = None
+        if self.world_size > 1 and dist.is_initialized():
+            self.store = job_store(cfg.dist_timeout_s)
+            waiter = job_store(cfg.dist_timeout_s)  # its own connection: a wait blocks its client
+            threading.Thread(target=self._answer_alarm, args=(waiter,), daemon=True).start()
+        _watch = self
+
+    # ------------------------------------------------------------ where this rank is
+
+    def enter(self, phase: str, fn, *args, **kwargs):
+        """Note the phase, run fn, and time it if it is done alone (data, forward)."""
+        self.note.update(step=self.completed + 1, phase=phase)
+        if phase not in self.alone_s:
+            return fn(*args, **kwargs)
+        if phase == "forward" and torch.cuda.is_available():  # the GPU's time, not the launch's
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn(*args, **kwargs)
+            end.record()
+            self.gpu_forward_events.append((start, end))
+            return result
+        started = time.perf_counter()
+        result = fn(*args, **kwargs)
+        self.alone_s[phase] += time.perf_counter() - started
+        return result
+
+    def step_done(self, step: int) -> None:
+        """After each optimizer step. After the first (data ready, compiled), training's timeout."""
+        self.completed = step
+        self.note.update(step=step, phase="the end of the step (logging votes, eval, checkpoint)")
+        if not self.training and self.store is not None:
+            set_collective_timeout(self.cfg.step_timeout_s)
+        self.training = True
+
+    @contextmanager
+    def patient(self, phase: str):
+        """Around a save or the export: the long timeout, for a slow write on one rank."""
+        before = self.note["phase"]
+        self.note["phase"] = phase
+        if self.training and self.store is not None:
+            set_collective_timeout(self.cfg.dist_timeout_s)
+        try:
+            yield
+        finally:
+            if self.training and self.store is not None:
+                set_collective_timeout(self.cfg.step_timeout_s)
+            self.note["phase"] = before
+
+    # ------------------------------------------------------------ stragglers
+
+    def stragglers(self) -> dict:
+        """At a logging step (collective): the slowest rank's time alone since the last one, the
+        median of the other ranks', and `straggler_rank` if it is more than straggler_factor times
+        slower."""
+        if self.world_size == 1:
+            return {}
+        forward_s = self.alone_s["forward"]
+        forward_s += sum(start.elapsed_time(end) for start, end in self.gpu_forward_events) / 1000
+        mine = torch.zeros(self.world_size, 2, device=self.plumbing.device)
+        mine[self.rank] = torch.tensor([self.alone_s["data"], forward_s])
+        shared = self.plumbing.reduce(mine, "sum").tolist()  # every rank's (data, forward)
+        self.alone_s = dict.fromkeys(self.alone_s, 0.0)
+        self.gpu_forward_events = []
+        alone = [data + forward for data, forward in shared]
+        slowest = max(range(self.world_size), key=alone.__getitem__)
+        # the others' median: with two ranks, the other one
+        median = statistics.median(alone[:slowest] + alone[slowest + 1 :])
+        row = {"slowest_rank": slowest, "slowest_rank_s": alone[slowest], "median_rank_s": median}
+        if alone[slowest] > self.cfg.straggler_factor * median:
+            row["straggler_rank"] = slowest
+            data, forward = shared[slowest]
+            row["straggler_data_s"] = data
+            row["straggler_forward_s"] = forward
+        return row
+
+    # ------------------------------------------------------------ a hang
+
+    def publish(self, note: dict) -> None:
+        """This rank's note: in the job's store (for the rank that says the error line) and in
+        <output_dir>/hangs/rank{r}.json."""
+        encoded = json.dumps(note, indent=2)
+        try:
+            self.store.set(f"note/{self.rank}", encoded)
+        except Exception:  # noqa: BLE001 - the store went with rank 0: the file still tells
+            pass
+        folder = Path(self.cfg.output_dir) / HANGS_FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{self.rank}.json").write_text(encoded + "\n")
+
+    def notes(self) -> dict[int, dict]:
+        """The notes published within ANSWER_WAIT_S, by rank."""
+        keys = [f"note/{rank}" for rank in range(self.world_size)]
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        while time.monotonic() < deadline and not self.store.check(keys):
+            time.sleep(0.05)
+        found = {}
+        for rank, key in enumerate(keys):
+            try:
+                if self.store.check([key]):
+                    found[rank] = json.loads(self.store.get(key))
+            except Exception:  # noqa: BLE001 - the store is gone: what this rank knows
+                break
+        return found
+
+    def _answer_alarm(self, waiter) -> None:
+        """Asleep until another rank raises the alarm. Then this rank's note, with its stack; a rank
+        that saw no failure itself is the one stuck: it says the line if it is rank 0, then exits."""
+        try:
+            waiter.wait(["alarm"], timedelta(days=365))
+        except Exception:  # noqa: BLE001 - the job ended and its store with it
+            return
+        if self.saw_failure:
+            return  # the main thread has it in hand
+        stack = traceback.format_stack(sys._current_frames()[threading.main_thread().ident])
+        self.publish({**self.note, "waiting_in_a_collective": False, "stack": stack[-12:]})
+        if self.rank == 0:
+            print(f"error: {describe(self, None)}", file=sys.stderr, flush=True)  # noqa: T201
+        else:
+            time.sleep(ANSWER_WAIT_S + 1)  # while the waiting ranks say the line
+        os._exit(1)
+
+
+def explain(error: RuntimeError) -> str | None:
+    """A collective failed on this rank (timed out, or a peer gone): publish this rank's note, raise
+    the alarm, and describe who did not arrive. None without a watch (one process, or before the
+    run folder)."""
+    watch = _watch
+    if watch is None or watch.store is None:
+        return None
+    watch.saw_failure = True
+    note = {**watch.note, "waiting_in_a_collective": True, "error": first_line(error)}
+    watch.publish(note)
+    try:
+        watch.store.set("alarm", str(watch.rank))
+    except Exception:  # noqa: BLE001 - the store is gone with rank 0
+        pass
+    return describe(watch, error)
+
+
+def describe(watch: Watch, error: RuntimeError | None) -> str:
+    """One line: which collective waited, the ranks that did not arrive and where they were."""
+    notes = watch.notes()
+    waiting = sorted(rank for rank, note in notes.items() if note.get("waiting_in_a_collective"))
+    missing = [rank for rank in range(watch.world_size) if rank not in waiting]
+    where = []
+    for rank in missing:
+        note = notes.get(rank)
+        if note is None:
+            where.append(f"rank {rank} did not answer (gone: killed, or stuck outside Python)")
+        else:
+            where.append(
+                f"rank {rank} did not arrive: it was in {note['phase']} (step {note['step']})"
+            )
+    first = notes.get(waiting[0], watch.note) if waiting else watch.note
+    timed_out = (
+        error is None or "timed out" in str(error).lower() or "timeout" in str(error).lower()
+    )
+    how = f"timed out (step_timeout_s {watch.cfg.step_timeout_s})" if timed_out else "lost a peer"
+    ranks = ", ".join(map(str, waiting)) or "none"
+    said = f"a collective in {first['phase']} (step {first['step']}) {how} on rank(s) {ranks}: "
+    said += "; ".join(where) or "every rank was waiting"
+    said += f" (each rank's note and stack: {Path(watch.cfg.output_dir) / HANGS_FOLDER})"
+    return said
+
+
+@contextmanager
+def patiently(phase: str):
+    """The long timeout around a save or the export (a no-op before a watch exists)."""
+    if _watch is None:
+        yield
+        return
+    with _watch.patient(phase):
+        yield
+
+
+def job_store(timeout_s: int):
+    """A client of the job's store (the one the process group started with, under the prefix of
+    this elastic attempt, as plumbing.init_process_group uses it)."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt_{attempt}/hangs", store)
+
+
+def set_collective_timeout(seconds: int) -> None:
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
