@@ -19,9 +19,10 @@ where Python cannot run). A rank that was stuck exits after the line is said.
 Stragglers: each rank times what it does alone in a step, with no collective in it under DDP:
 waiting for its data and the forward pass (the backward pass includes the gradient all-reduce, where
 the fast ranks wait for the slow one). At each logging step the ranks share these times; metrics.jsonl
-has the slowest rank and its time against the median's, and names it `straggler_rank` (with a
-warning) when it is more than straggler_factor times slower. Under FSDP the forward pass gathers
-weights (a collective), so there a straggler shows in its data time only.
+has the slowest rank and its time against the other ranks' median, and names it `straggler_rank`
+when it is more than straggler_factor times slower and that costs 10% of the time or more. Under
+FSDP the forward pass gathers weights (a collective), so there a straggler shows in its data time
+only.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from errors import first_line
 
 ANSWER_WAIT_S = 5.0  # how long the rank that saw the failure waits for the others' notes
 HANGS_FOLDER = "hangs"
+STRAGGLER_COST = 0.1  # a straggler is named when it costs at least this share of the job's time
 _watch: Watch | None = None  # this process's, once the run folder is known
 
 
@@ -65,6 +67,7 @@ class Watch:
         self.saw_failure = False
         self.alone_s = {"data": 0.0, "forward": 0.0}
         self.gpu_forward_events = []
+        self.window_started = time.perf_counter()
         self.store = None
         if self.world_size > 1 and dist.is_initialized():
             self.store = job_store(cfg.dist_timeout_s)
@@ -133,7 +136,12 @@ class Watch:
         # the others' median: with two ranks, the other one
         median = statistics.median(alone[:slowest] + alone[slowest + 1 :])
         row = {"slowest_rank": slowest, "slowest_rank_s": alone[slowest], "median_rank_s": median}
-        if alone[slowest] > self.cfg.straggler_factor * median:
+        window_s = time.perf_counter() - self.window_started
+        self.window_started = time.perf_counter()
+        # named when it is slower by the factor and that costs every rank 10% of the time or more
+        # (a hiccup of a few milliseconds in a fast step is no straggler)
+        costly = alone[slowest] - median > STRAGGLER_COST * window_s
+        if alone[slowest] > self.cfg.straggler_factor * median and costly:
             row["straggler_rank"] = slowest
             data, forward = shared[slowest]
             row["straggler_data_s"] = data

@@ -33,6 +33,7 @@ from tracking import write_preempted_marker
 
 LAUNCHER_CHECK_S = 1.0  # how often a worker checks that its launcher is alive
 LAUNCHER_LOST = "the launcher's exit"  # a stop's cause, as a signal's name would be
+STOP_CAUSES = ("SIGTERM", "SIGUSR1", "SIGINT", LAUNCHER_LOST)
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the
 # rest.
 OTHER_RANKS_ERROR_DELAY_S = 5.0
@@ -191,8 +192,17 @@ class StopSignals:
             raise Preempted(self.signal_name)
 
     def requested(self, plumbing) -> bool:
-        flag = torch.tensor(float(self.signal_name is not None), device=plumbing.device)
-        return plumbing.reduce(flag, "sum").item() > 0  # collective, and a CPU-GPU sync
+        """The vote, at a logging step: whether any rank got a stop, and which (a rank that got
+        none takes the first rank's cause, so that all say and exit alike)."""
+        votes = torch.zeros(len(STOP_CAUSES), device=plumbing.device)
+        if self.signal_name is not None:
+            votes[STOP_CAUSES.index(self.signal_name)] = 1
+        causes = plumbing.reduce(votes, "sum").tolist()  # collective, and a CPU-GPU sync
+        if not any(causes):
+            return False
+        first_cause = next(cause for cause, count in zip(STOP_CAUSES, causes, strict=True) if count)
+        self.signal_name = self.signal_name or first_cause
+        return True
 
     @property
     def exit_code(self) -> int:

@@ -267,9 +267,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
             checkpointer.save(state.step)  # with async_save, written while training goes on
         if stopping:
             path = checkpointer.finish()  # written, voted and published before the exit
-            log.stopped(
-                state.step, stop_signals.signal_name or "a signal on another rank", str(path)
-            )
+            log.stopped(state.step, stop_signals.signal_name, str(path))  # the vote's cause
             log.close()
             return stop_signals.exit_code
         if state.step % cfg.eval_every == 0 or saving:

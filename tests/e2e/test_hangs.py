@@ -1,0 +1,66 @@
+"""Hangs and stragglers, named (train/hangs.py), on real launches with faults from
+tests/helpers/faulty_main.py: a rank whose next batch never comes (FAULT_HANG_BATCH), a rank whose
+every batch comes late (FAULT_SLOW_DATA_S)."""
+
+import json
+import time
+
+import pytest
+
+from conftest import FAULTY_MAIN, launch_accelerate, launch_torchrun, read_metrics, tiny_args
+
+pytestmark = pytest.mark.slow
+
+STEP_TIMEOUT_S = 5
+# the start-up timeout: the hang must be caught by the step's, far sooner
+DIST_TIMEOUT_S = 200
+
+
+@pytest.mark.parametrize("launcher_name", ["accelerate", "torchrun"])
+def test_a_rank_whose_data_never_comes_is_named_and_every_rank_exits(
+    tmp_path, corpus, launcher_name
+):
+    """Rank 1's 7th batch (step 7) never comes; rank 0 waits in the gradient all-reduce of step 7
+    for step_timeout_s. The job ends long before dist_timeout_s, its one error line names rank 1 and
+    where it was, and each rank's note is in hangs/, rank 1's with the stack where it is stuck."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(
+        run_dir, corpus, step_timeout_s=STEP_TIMEOUT_S, dist_timeout_s=DIST_TIMEOUT_S, log_every=2
+    )
+    launch = launch_accelerate if launcher_name == "accelerate" else launch_torchrun
+    extra = {"FAULT_HANG_BATCH": 7, "FAULT_RANK": 1}
+    if launcher_name == "torchrun":
+        extra["FAULTY_ENTRY"] = "torch_ddp"
+    started = time.monotonic()
+    hung = launch(args, tmp_path, script=FAULTY_MAIN, env_extra=extra, timeout=DIST_TIMEOUT_S)
+    took = time.monotonic() - started
+    assert hung.returncode != 0
+    assert took < DIST_TIMEOUT_S / 2, f"took {took:.0f} s: the start-up timeout applied"
+    errors = [line for line in hung.output.splitlines() if line.startswith("error: ")]
+    assert errors, hung.tail()
+    line = errors[0]
+    assert f"timed out (step_timeout_s {STEP_TIMEOUT_S}) on rank(s) 0" in line, line
+    assert "rank 1 did not arrive: it was in data (step 7)" in line, line
+    assert "a collective in backward (step 7)" in line, line
+    notes = {
+        rank: json.loads((run_dir / "hangs" / f"rank{rank}.json").read_text()) for rank in (0, 1)
+    }
+    assert notes[0]["waiting_in_a_collective"] and notes[0]["phase"] == "backward"
+    assert not notes[1]["waiting_in_a_collective"] and notes[1]["phase"] == "data"
+    assert any("next_batch" in frame for frame in notes[1]["stack"])  # where it is stuck
+
+
+def test_a_rank_whose_batches_come_late_is_named_the_straggler(tmp_path, corpus):
+    """Every batch of rank 1 comes 50 ms late: at each logging step metrics.jsonl names rank 1 the
+    straggler, its time alone against rank 0's, and never names rank 0."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(run_dir, corpus, max_steps=12, log_every=4, save_every=0, eval_every=12)
+    launch_accelerate(
+        args, tmp_path, script=FAULTY_MAIN, env_extra={"FAULT_SLOW_DATA_S": 0.05, "FAULT_RANK": 1}
+    ).check()
+    rows = [row for row in read_metrics(run_dir) if "slowest_rank" in row]
+    assert [row["step"] for row in rows] == [4, 8, 12]
+    for row in rows:
+        assert row["straggler_rank"] == row["slowest_rank"] == 1, row
+        assert row["straggler_data_s"] >= 4 * 0.05  # 4 steps of one micro-batch each, 50 ms late
+        assert row["slowest_rank_s"] > 2 * row["median_rank_s"]
