@@ -88,7 +88,9 @@ def test_at_most_one_save_in_flight_and_a_failed_write_keeps_the_previous_checkp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(saving, "write_part", full_disk)
-    monkeypatch.setattr(saving, "check_space", lambda *args: None)  # the disk fills during the write
+    monkeypatch.setattr(
+        saving, "check_space", lambda *args: None
+    )  # the disk fills during the write
     monkeypatch.setattr(saving, "free_bytes", lambda folder: 0)
     saver.save(3)  # the copy to CPU memory succeeds; the write in the background fails
     with pytest.raises(RunError, match="no space left on .*: the checkpoint of step 3 was not"):

@@ -77,11 +77,13 @@ class Watch:
 
     # ------------------------------------------------------------ where this rank is
 
-    def enter(self, phase: str, fn, *args, **kwargs):
-        """Note the phase, run fn, and time it if it is done alone (data, forward)."""
+    def at(self, phase: str) -> None:
+        """Note the phase this rank enters, of the step it is training."""
         self.note.update(step=self.completed + 1, phase=phase)
-        if phase not in self.alone_s:
-            return fn(*args, **kwargs)
+
+    def timed(self, phase: str, fn, *args, **kwargs):
+        """Note the phase, and run fn timing it: what this rank does alone (data, forward)."""
+        self.at(phase)
         if phase == "forward" and torch.cuda.is_available():  # the GPU's time, not the launch's
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -209,19 +209,18 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         for _ in range(cfg.grad_accum_steps):
             # DDP's gradient all-reduce runs on the last micro-step only
             with accelerator.accumulate(model):
-                # the watch notes each phase (where a hang is) and times data and forward (stragglers)
-                batch = watch.enter("data", next, batches)
-                loss = watch.enter("forward", model, **batch).loss
-                # divides by grad_accum_steps (and scales, for fp16); DDP's all-reduce runs in it
-                watch.enter("backward", accelerator.backward, loss)
+                # the watch notes each phase (where a hang is) and times data and forward, what a
+                # rank does alone (a straggler)
+                batch = watch.timed("data", next, batches)
+                loss = watch.timed("forward", model, **batch).loss
+                watch.at("backward")  # DDP's gradient all-reduce runs in it
+                accelerator.backward(loss)  # divides by grad_accum_steps (and scales, for fp16)
                 step_loss += loss.detach() / cfg.grad_accum_steps
                 # the last micro-step: clip, set this step's LR, update
                 if accelerator.sync_gradients:
+                    watch.at("optimizer")
                     max_norm = cfg.max_grad_norm or math.inf
-                    parameters = model.parameters()
-                    grad_norm = watch.enter(
-                        "optimizer", accelerator.clip_grad_norm_, parameters, max_norm
-                    )
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                     # FSDP: a DTensor; the same value on every rank
                     grad_norm = full_tensor(grad_norm)
                     bad_grad_steps += ~torch.isfinite(grad_norm)

@@ -6,6 +6,9 @@ every collective decision (locking the run folder, choosing and loading the chec
 save, the export), every logging step, the middle of the writer's save, and pruning (after a publish).
 They are drawn by what they interrupt (start-up, training, a save, the export), mostly training, and
 placed in the next launch's own count of events: most launches resume from a checkpoint mid-run.
+Checkpoints are written in the background (saving.py): a save's events keep their number but straddle
+the next logging step (its copy at the save step, the write in a thread, the vote and publish after
+the next step's logging vote), so a kill drawn for a save often lands while it is in flight.
 KILL_FUZZ_POINTS=50 python -m pytest tests/e2e/test_kill_fuzz.py runs the long version (default 3).
 """
 
