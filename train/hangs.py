@@ -20,13 +20,15 @@ Stragglers: each rank times what it does alone in a step, with no collective in 
 waiting for its data and the forward pass (the backward pass includes the gradient all-reduce, where
 the fast ranks wait for the slow one). At each logging step the ranks share these times; metrics.jsonl
 has the slowest rank and its time against the other ranks' median, and names it `straggler_rank`
-when it is more than straggler_factor times slower and that costs 10% of the time or more. Under
+when it is more than straggler_factor times slower and that costs 10% of the time or more (and
+0.1 s per logging window). Under
 FSDP the forward pass gathers weights (a collective), so there a straggler shows in its data time
 only.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -45,8 +47,12 @@ import torch.distributed as dist
 from errors import first_line
 
 ANSWER_WAIT_S = 5.0  # how long the rank that saw the failure waits for the others' notes
+ALARM_CHECK_S = 0.5
 HANGS_FOLDER = "hangs"
-STRAGGLER_COST = 0.1  # a straggler is named when it costs at least this share of the job's time
+# a straggler is named when it costs at least this share of the job's time, and this many seconds
+# per logging window (a hiccup of a few milliseconds in a fast step is no straggler)
+STRAGGLER_COST = 0.1
+STRAGGLER_MIN_S = 0.1
 _watch: Watch | None = None  # this process's, once the run folder is known
 
 
@@ -69,10 +75,13 @@ class Watch:
         self.gpu_forward_events = []
         self.window_started = time.perf_counter()
         self.store = None
+        self.closed = threading.Event()
+        self.listener = None
         if self.world_size > 1 and dist.is_initialized():
             self.store = job_store(cfg.dist_timeout_s)
-            waiter = job_store(cfg.dist_timeout_s)  # its own connection: a wait blocks its client
-            threading.Thread(target=self._answer_alarm, args=(waiter,), daemon=True).start()
+            self.listener = threading.Thread(target=self._answer_alarm, daemon=True)
+            self.listener.start()
+            atexit.register(self.stop)  # however the process ends (job.py stops it earlier)
         _watch = self
 
     # ------------------------------------------------------------ where this rank is
@@ -118,6 +127,12 @@ class Watch:
                 set_collective_timeout(self.cfg.step_timeout_s)
             self.note["phase"] = before
 
+    def stop(self) -> None:
+        """The listening thread stops (at most ALARM_CHECK_S later)."""
+        if self.listener is not None:
+            self.closed.set()
+            self.listener.join(timeout=2 * ALARM_CHECK_S)
+
     # ------------------------------------------------------------ stragglers
 
     def stragglers(self) -> dict:
@@ -140,9 +155,9 @@ class Watch:
         row = {"slowest_rank": slowest, "slowest_rank_s": alone[slowest], "median_rank_s": median}
         window_s = time.perf_counter() - self.window_started
         self.window_started = time.perf_counter()
-        # named when it is slower by the factor and that costs every rank 10% of the time or more
-        # (a hiccup of a few milliseconds in a fast step is no straggler)
-        costly = alone[slowest] - median > STRAGGLER_COST * window_s
+        # named when it is slower by the factor and that costs every rank time (STRAGGLER_COST)
+        lag_s = alone[slowest] - median
+        costly = lag_s > STRAGGLER_MIN_S and lag_s > STRAGGLER_COST * window_s
         if alone[slowest] > self.cfg.straggler_factor * median and costly:
             row["straggler_rank"] = slowest
             data, forward = shared[slowest]
@@ -179,11 +194,16 @@ class Watch:
                 break
         return found
 
-    def _answer_alarm(self, waiter) -> None:
-        """Asleep until another rank raises the alarm. Then this rank's note, with its stack; a rank
-        that saw no failure itself is the one stuck: it says the line if it is rank 0, then exits."""
+    def _answer_alarm(self) -> None:
+        """Looks for another rank's alarm twice a second (a question to the store, answered at once:
+        a thread waiting inside the store's client when the process exits would abort it). Then this
+        rank's note, with its stack; a rank that saw no failure itself is the one stuck: it says the
+        line if it is rank 0, then exits."""
+        listener = job_store(self.cfg.dist_timeout_s)  # a client of its own: one per thread
         try:
-            waiter.wait(["alarm"], timedelta(days=365))
+            while not listener.check(["alarm"]):
+                if self.closed.wait(ALARM_CHECK_S):
+                    return  # the job is ending
         except Exception:  # noqa: BLE001 - the job ended and its store with it
             return
         if self.saw_failure:
@@ -238,6 +258,12 @@ def describe(watch: Watch, error: RuntimeError | None) -> str:
     said += "; ".join(where) or "every rank was waiting"
     said += f" (each rank's note and stack: {Path(watch.cfg.output_dir) / HANGS_FOLDER})"
     return said
+
+
+def stop_watching() -> None:
+    """At the job's end, before the process group goes: the listening thread stops."""
+    if _watch is not None:
+        _watch.stop()
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
 from config import TrainConfig, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line
 from hangs import explain as explain_hang
+from hangs import stop_watching
 from lm import check_dataset_name, check_model_and_tokenizer
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
@@ -263,6 +264,7 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
         lost = RunError(hang or f"lost contact with another process ({first_line(e)})")
         exit_with_error(lost, another_process_failed=True)
     finally:
+        stop_watching()  # hangs.py's listening thread, before its store goes
         close_process_group()
     sys.exit(code)
 

@@ -272,12 +272,12 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         if state.step % cfg.eval_every == 0 or saving:
             throughput.restart()  # eval and checkpoint time is not training throughput
     # ---------------------------------------------------------------- save
-    # the last checkpoint goes on being written while the model is exported
+    # the last checkpoint published first: a full disk names the checkpoint, not the export
+    checkpointer.finish()
     path = export_model(
         accelerator, model, cfg.output_dir, save_extras=lambda folder: save_tokenizer(cfg, folder)
     )
     log.info(f"model: {path}")
-    checkpointer.finish()
     # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
     log.close()
     return 0

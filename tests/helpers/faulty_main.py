@@ -113,14 +113,14 @@ def inject_save_fault(point: str, save_number: int) -> None:
 
         saving.write_part = write_part
     elif point == "before_publish":
-        original = checkpoint.publish
+        original = saving.publish
 
         def publish(tmp, *args):
             if due():
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(tmp, *args)
 
-        checkpoint.publish = publish
+        saving.publish = publish
 
 
 def inject_nan_loss(step: int) -> None:
