@@ -256,13 +256,12 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
         if not lost_a_peer(e):
             raise  # a bug: its traceback is the useful output
         hang = explain_hang(e)  # which ranks did not arrive, and where each one was
-        if hang is not None and "timed out" in hang:
-            # a hung rank says nothing itself: this line is the job's (rank 0's first)
-            exit_with_error(RunError(hang))
-        # a peer process died: its own line (or the launcher's summary) says why, so this one waits
-        # its turn, even on rank 0
-        lost = RunError(hang or f"lost contact with another process ({first_line(e)})")
-        exit_with_error(lost, another_process_failed=True)
+        if hang is None:
+            hang = f"lost contact with another process ({first_line(e)})", False
+        line, timed_out = hang
+        # a hung rank says nothing itself: then this line is the job's (rank 0's first); a peer
+        # that died has its own line (or the launcher's summary), so this one waits its turn
+        exit_with_error(RunError(line), another_process_failed=not timed_out)
     finally:
         stop_watching()  # hangs.py's listening thread, before its store goes
         close_process_group()

@@ -20,6 +20,7 @@ a gloo group of their own so that they never interleave with training's.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import shutil
@@ -61,6 +62,9 @@ class Checkpointer:
         self.in_flight: BackgroundSave | None = None
         self.last_path: Path | None = None
         self.dcp_group = None
+        # a process that ends with a save in flight (an error elsewhere) lets its write finish
+        # first: a thread stopped inside torch's writer at exit aborts the process
+        atexit.register(self.wait_for_the_writer)
         sharded = any(isinstance(as_part(part), Sharded) for part in parts.values())
         if cfg.async_save and sharded and dist.is_initialized():
             self.dcp_group = dist.new_group(backend="gloo")  # collective: every rank creates it
@@ -78,6 +82,10 @@ class Checkpointer:
                 return
             self.in_flight = BackgroundSave(transaction, self.dcp_group)
         self.in_flight.blocked_s = time.perf_counter() - started
+
+    def wait_for_the_writer(self) -> None:
+        if self.in_flight is not None:
+            self.in_flight.thread.join()
 
     def commit_if_written(self) -> None:
         """At a logging step: publish the save in flight if every process has finished writing it
