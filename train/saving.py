@@ -49,6 +49,9 @@ from hangs import patiently
 from plumbing import collectively, is_writer
 
 
+WRITER_WAIT_AT_EXIT_S = 10.0  # bounded: a write stuck on a dead filesystem must not hold the exit
+
+
 class Checkpointer:
     """The loop's one handle on saving: save(step) at a save step, commit_if_written() at each
     logging step, finish() before stopping. Every method is collective (all ranks, same step)."""
@@ -85,7 +88,7 @@ class Checkpointer:
 
     def wait_for_the_writer(self) -> None:
         if self.in_flight is not None:
-            self.in_flight.thread.join()
+            self.in_flight.thread.join(timeout=WRITER_WAIT_AT_EXIT_S)
 
     def commit_if_written(self) -> None:
         """At a logging step: publish the save in flight if every process has finished writing it

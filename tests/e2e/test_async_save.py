@@ -63,7 +63,7 @@ def test_sigterm_while_a_save_is_in_flight_finishes_it_then_checkpoints_and_stop
 def test_a_kill_while_a_save_is_in_flight_leaves_the_previous_checkpoint_newest(
     tmp_path, corpus, baseline
 ):
-    """Rank 1 is killed at step 18 while the save of step 16 is still being written: step 16 was
+    """Rank 1 is killed at step 17 while the save of step 16 is still being written: step 16 was
     never published (its folder stays .tmp), the resume continues from step 8 and ends bitwise as the
     uninterrupted run."""
     run_dir = tmp_path / "run"
@@ -72,9 +72,9 @@ def test_a_kill_while_a_save_is_in_flight_leaves_the_previous_checkpoint_newest(
         tmp_path,
         script=FAULTY_MAIN,
         env_extra={
-            "FAULT_SLOW_WRITE_S": 30,
+            "FAULT_SLOW_WRITE_S": 5,
             "FAULT_SAVE_NUMBER": 2,
-            "FAULT_STEP": 18,
+            "FAULT_STEP": 17,
             "FAULT_ACTION": "sigkill",
             "FAULT_RANK": 1,
         },
