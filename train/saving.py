@@ -48,7 +48,6 @@ from errors import RunError
 from hangs import patiently
 from plumbing import collectively, is_writer
 
-
 WRITER_WAIT_AT_EXIT_S = 10.0  # bounded: a write stuck on a dead filesystem must not hold the exit
 
 
