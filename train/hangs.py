@@ -217,10 +217,10 @@ class Watch:
         os._exit(1)
 
 
-def explain(error: RuntimeError) -> str | None:
+def explain(error: RuntimeError) -> tuple[str, bool] | None:
     """A collective failed on this rank (timed out, or a peer gone): publish this rank's note, raise
-    the alarm, and describe who did not arrive. None without a watch (one process, or before the
-    run folder)."""
+    the alarm, and describe who did not arrive; with whether it timed out (a hung rank says nothing
+    itself, a dead one may have). None without a watch (one process, or before the run folder)."""
     watch = _watch
     if watch is None or watch.store is None:
         return None
@@ -231,7 +231,13 @@ def explain(error: RuntimeError) -> str | None:
         watch.store.set("alarm", str(watch.rank))
     except Exception:  # noqa: BLE001 - the store is gone with rank 0
         pass
-    return describe(watch, error)
+    return describe(watch, error), timed_out(error)
+
+
+def timed_out(error: RuntimeError | None) -> bool:
+    """Whether a collective timed out (None: this rank is the one stuck, woken by another's)."""
+    message = str(error).lower()
+    return error is None or "timed out" in message or "timeout" in message
 
 
 def describe(watch: Watch, error: RuntimeError | None) -> str:
@@ -249,10 +255,9 @@ def describe(watch: Watch, error: RuntimeError | None) -> str:
                 f"rank {rank} did not arrive: it was in {note['phase']} (step {note['step']})"
             )
     first = notes.get(waiting[0], watch.note) if waiting else watch.note
-    timed_out = (
-        error is None or "timed out" in str(error).lower() or "timeout" in str(error).lower()
-    )
-    how = f"timed out (step_timeout_s {watch.cfg.step_timeout_s})" if timed_out else "lost a peer"
+    how = "lost a peer"
+    if timed_out(error):
+        how = f"timed out (step_timeout_s {watch.cfg.step_timeout_s})"
     ranks = ", ".join(map(str, waiting)) or "none"
     said = f"a collective in {first['phase']} (step {first['step']}) {how} on rank(s) {ranks}: "
     said += "; ".join(where) or "every rank was waiting"
