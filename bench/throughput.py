@@ -425,7 +425,7 @@ def bare_loop(cfg, baton: Baton, sample) -> None:
     from data import build_datasets
     from lm import transformer_blocks
     from model import build_model
-    from optim import build_optimizer, lr_at, set_lr
+    from optim import build_optimizer, set_lr
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     world_size, rank = _world()
@@ -463,7 +463,7 @@ def bare_loop(cfg, baton: Baton, sample) -> None:
                     loss = model(input_ids=x, labels=x).loss
                 (loss / cfg.grad_accum_steps).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        set_lr(optimizer, lr_at(step, cfg))
+        set_lr(optimizer, step, cfg)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % cfg.log_every == 0:

@@ -126,6 +126,7 @@ def test_round_trip_restores_every_part(tmp_path):
         "grad_accum_steps": 1,
         "global_batch": 16,
         "block_size": 8,
+        "optimizer": "adamw",
         **IDENTITY,
     }
     assert all(len(entry["xxh3_64"]) == 16 for entry in manifest["files"].values())

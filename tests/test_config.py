@@ -78,6 +78,10 @@ def test_shipped_presets_load():
         ),
         (["--dataset", "a/b/c"], "dataset is not an existing file or folder"),
         (["stray"], "unexpected argument 'stray'"),
+        (["--optimizer", "sgd"], "optimizer must be one of adamw, muon (got 'sgd')"),
+        (["--muon_lr", "0"], "muon_lr must be > 0 (got 0.0)"),
+        (["--muon_momentum", "1"], "muon_momentum must be in [0, 1) (got 1.0)"),
+        (["--optimizer", "muon", "--fsdp", "full"], "optimizer muon cannot run under FSDP"),
     ],
 )
 def test_bad_values_name_the_key(argv, message):

@@ -7,7 +7,7 @@ import torch
 
 from config import TrainConfig
 from model import build_model
-from optim import build_optimizer, lr_at
+from optim import build_optimizer, lr_at, set_lr
 
 
 def test_warmup_peak_and_cosine_end():
@@ -46,3 +46,50 @@ def test_the_schedule_ends_at_its_horizon_and_warmup_follows_it():
     assert cfg.warmup == 10  # lr_decay_steps // 10
     assert lr_at(100, cfg) == pytest.approx(0.1)
     assert all(lr_at(s, cfg) == pytest.approx(0.1) for s in range(100, 200))  # extended at min_lr
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    cfg = TrainConfig(
+        n_layer=2, n_head=2, n_embd=16, block_size=8, optimizer="muon", bias=True, lr=1e-3
+    )
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg)
+    muon_groups, adamw_groups = optimizer.muon.param_groups, optimizer.adamw.param_groups
+    assert optimizer.param_groups == muon_groups + adamw_groups
+    in_blocks = {id(p) for block in model.blocks for p in block.parameters()}
+    muon_params = [p for group in muon_groups for p in group["params"]]
+    adamw_params = [p for group in adamw_groups for p in group["params"]]
+    assert muon_params and all(p.dim() == 2 and id(p) in in_blocks for p in muon_params)
+    # the embeddings (tied to the head) and the blocks' norms and biases: AdamW's
+    assert any(p is model.wte.weight for p in adamw_params)
+    assert all(p.dim() == 1 or id(p) not in in_blocks for p in adamw_params)
+    every = [id(p) for p in muon_params + adamw_params]
+    assert sorted(every) == sorted(id(p) for p in model.parameters())  # each once
+    # one schedule, each group at its own peak
+    lr = set_lr(optimizer, cfg.warmup, cfg)
+    assert lr == pytest.approx(cfg.lr)
+    assert [g["lr"] for g in muon_groups] == [pytest.approx(cfg.muon_lr)]
+    assert all(g["lr"] == pytest.approx(cfg.lr) for g in adamw_groups)
+    set_lr(optimizer, cfg.decay_steps, cfg)
+    assert muon_groups[0]["lr"] == pytest.approx(cfg.muon_lr * cfg.min_lr / cfg.lr)
+
+
+def test_muon_with_adamw_saves_and_loads_as_one_optimizer():
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, optimizer="muon")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg)
+    tokens = torch.randint(0, 256, (4, 8))
+    for _ in range(2):
+        model(tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = optimizer.state_dict()
+    restored = build_optimizer(model, cfg)
+    restored.load_state_dict(state)
+    set_lr(restored, 5, cfg)  # reaches the loaded groups of both
+    assert restored.muon.param_groups[0]["lr"] == pytest.approx(
+        lr_at(5, cfg) * cfg.muon_lr / cfg.lr
+    )
+    momentum = next(iter(restored.muon.state.values()))["momentum_buffer"]
+    assert torch.equal(momentum, next(iter(optimizer.muon.state.values()))["momentum_buffer"])

@@ -412,6 +412,7 @@ def run_geometry(plumbing, cfg) -> dict:
         "grad_accum_steps": cfg.grad_accum_steps,
         "global_batch": cfg.batch_size * cfg.grad_accum_steps * plumbing.num_processes,
         "block_size": cfg.block_size,
+        "optimizer": cfg.optimizer,
     }
 
 

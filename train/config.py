@@ -113,6 +113,15 @@ class TrainConfig:
     beta1: float = 0.9
     # AdamW; 0.95 is the usual choice for transformers
     beta2: float = 0.95
+    # adamw | muon: Muon (torch.optim.Muon) on the transformer blocks' weight matrices, AdamW (lr,
+    # beta1, beta2, weight_decay) on embeddings, head, norms and biases; both follow one schedule
+    optimizer: str = "adamw"
+    # muon: peak learning rate of the Muon matrices (min_lr and warmup scale with it)
+    muon_lr: float = 0.02
+    # muon: momentum (Nesterov)
+    muon_momentum: float = 0.95
+    # muon: decoupled weight decay of the Muon matrices
+    muon_weight_decay: float = 0.0
     # clip the global grad norm to this; 0 disables clipping
     max_grad_norm: float = 1.0
     # "" = the launcher's (accelerate config or --mixed_precision, else no); no | bf16 | fp16 set
@@ -235,6 +244,8 @@ class TrainConfig:
         why = "must be 0 with streaming (the stream is read in the training process, where its position is saved)"
         _require("num_workers", workers_ok, why, self.num_workers)
         _require("text_column", self.text_column != "", "must not be empty", self.text_column)
+        if self.optimizer == "muon" and self.fsdp != "no":
+            raise ConfigError(MUON_UNDER_FSDP)
         factor_ok = self.straggler_factor > 1
         _require("straggler_factor", factor_ok, "must be > 1", self.straggler_factor)
 
@@ -258,6 +269,7 @@ POSITIVE = (
     "shuffle_buffer",
     "streaming_eval_blocks",
     "lr",
+    "muon_lr",
 )
 NON_NEGATIVE = (
     "weight_decay",
@@ -266,19 +278,28 @@ NON_NEGATIVE = (
     "num_workers",
     "min_lr",
     "lr_decay_steps",
+    "muon_weight_decay",
 )
 INTERVALS = {  # key: (low, high, as the error shows it)
     "dropout": (0, 1, "[0, 1)"),
     "eval_fraction": (0, 1, "(0, 1)"),
     "beta1": (0, 1, "[0, 1)"),
     "beta2": (0, 1, "[0, 1)"),
+    "muon_momentum": (0, 1, "[0, 1)"),
 }
 CHOICES = {
     "mixed_precision": ("", "no", "bf16", "fp16"),
     "fsdp": ("no", "full", "hybrid"),
     "model_weights": ("pretrained", "config"),
     "compile": ("auto", "true", "false"),
+    "optimizer": ("adamw", "muon"),
 }
+
+
+MUON_UNDER_FSDP = (
+    "optimizer muon cannot run under FSDP: Muon orthogonalizes each whole weight matrix, and FSDP2 "
+    "gives each process a shard of it (train with DDP, or with optimizer adamw)"
+)
 
 
 def choices_problem(choices: tuple) -> str:

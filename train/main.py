@@ -28,7 +28,7 @@ from batches import EpochSampler, TrainBatches, data_identity, fast_reader
 from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model, latest_checkpoint
 from compiling import compile_model, compile_wanted
 from compiling import report as compile_report
-from config import TrainConfig
+from config import MUON_UNDER_FSDP, TrainConfig
 from data import build_datasets, collate
 from errors import ConfigError, RunError
 from hangs import Watch
@@ -43,7 +43,7 @@ from lm import (
     save_tokenizer,
 )
 from model import build_model
-from optim import build_optimizer, lr_at, set_lr
+from optim import build_optimizer, set_lr
 from plumbing import Plumbing, check_world_size, init_process_group
 from provenance import environment_info
 from resume import resume_or_start
@@ -75,6 +75,8 @@ def build_accelerator(cfg: TrainConfig):
         )
     fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     fsdp_plugin = None  # accelerate's own, from the accelerate config (or no FSDP)
+    if fsdp and cfg.optimizer == "muon":
+        raise ConfigError(MUON_UNDER_FSDP)
     if fsdp and os.environ.get("FSDP_VERSION", "1") != "2":
         raise ConfigError(
             "accelerate config: set fsdp_version: 2 (FSDP1's state dicts are not the sharded "
@@ -224,7 +226,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
                     # FSDP: a DTensor; the same value on every rank
                     grad_norm = full_tensor(grad_norm)
                     bad_grad_steps += ~torch.isfinite(grad_norm)
-                    lr = set_lr(optimizer, lr_at(state.step, cfg))
+                    lr = set_lr(optimizer, state.step, cfg)  # each group at its own peak
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
         state.step += 1

@@ -169,6 +169,12 @@ def check_same_run(folder: Path, about: dict, now: dict, cfg, identity: dict) ->
             f"and {now['block_size']}: an exact resume needs both unchanged (world size, batch_size and "
             f"grad_accum_steps may change, not their product)"
         )
+    saved_optimizer = saved.get("optimizer", "adamw")  # checkpoints from before --optimizer
+    if saved_optimizer != cfg.optimizer:
+        raise CheckpointError(
+            f"{folder} was saved with optimizer {saved_optimizer}, this run uses {cfg.optimizer}: its "
+            f"state would not fit; to switch, start a new run from its weights with --init_from {folder}"
+        )
     if about["step"] > cfg.max_steps:
         raise CheckpointError(
             f"{folder} is at step {about['step']}, past max_steps {cfg.max_steps}: pass --max_steps "

@@ -46,3 +46,18 @@ def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, cor
     assert "accelerate / bare:" in result.stdout and "loader wait" in result.stdout
     # rank 0 reports
     assert "x 2 processes" in result.stdout and result.stdout.count("device:") == 1
+
+
+def test_the_optimizer_bench_reports_eval_losses_and_step_times(tmp_path, corpus):
+    out = tmp_path / "optimizers.json"
+    train_flags = ["--dataset", str(corpus), "--block_size", "32", "--max_steps", "6"]
+    train_flags += ["--eval_every", "3", "--log_every", "2", "--batch_size", "4"]
+    command = [sys.executable, str(REPO / "bench/optimizers.py"), "--out", str(out), "--"]
+    result = run([*command, *train_flags], base_env(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"adamw", "muon (muon_lr 0.02)"}
+    for name, result_of_one in figures.items():
+        assert list(result_of_one["eval_loss"]) == ["3", "6"], name  # JSON keys
+        assert result_of_one["step_time_s"] > 0
+    assert "| muon (muon_lr 0.02) |" in result.stdout
