@@ -54,4 +54,5 @@ def test_only_the_entry_point_and_the_stream_use_the_fork_files_and_through_few_
 
 def test_the_error_vocabulary_and_the_config_import_nothing_of_the_template_above_them():
     assert imports_of("errors") == {}
-    assert set(imports_of("config")) == {"errors"}
+    assert set(imports_of("config")) == {"errors", "sources"}
+    assert set(imports_of("sources")) == {"errors"}

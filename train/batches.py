@@ -1,11 +1,15 @@
 """The training data's order and position, the same on both plumbings and at any world size.
 
 - `EpochSampler`: which samples, in which order (a function of the seed, the epoch and the global
-batch). - `TrainBatches`: the endless stream of one process's micro-batches, and its position as a
-checkpoint part. - `fast_reader`: the packed blocks read straight from datasets' memory-mapped Arrow
-cache. - `data_identity`: what a resume must find unchanged for the order to continue exactly where
-it stopped. (Streamed data has its own stream and position: streaming.py.) None of this depends on
-what data.py holds beyond "a map-style dataset of samples"."""
+  batch); `data_order` picks it, or a mixture's MixtureSampler (mixture.py).
+- `TrainBatches`: the endless stream of one process's micro-batches, and its position as a
+  checkpoint part.
+- `fast_reader`: the packed blocks read straight from datasets' memory-mapped Arrow cache.
+- `data_identity`: what a resume must find unchanged for the order to continue exactly where it
+  stopped.
+
+(Streamed data has its own stream and position: streaming.py.) None of this depends on what data.py
+holds beyond "a map-style dataset of samples"."""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from mixture import Concatenation, MixtureSampler
+from sources import describe, source_config
 
 
 class EpochSampler(Sampler[int]):
@@ -144,11 +151,24 @@ class ArrowBlocks(torch.utils.data.Dataset):
         return views, starts
 
 
+def data_order(cfg, train_set, samples_per_step: int) -> Sampler[int]:
+    """The training samples' order: an EpochSampler over one dataset, or a MixtureSampler over a
+    mixture's concatenated sources (mixture.py)."""
+    if cfg.mixture:
+        sizes = [len(part) for part in train_set.parts.values()]
+        weights = [source.weight for source in cfg.mixture]
+        return MixtureSampler(sizes, weights, cfg.seed, samples_per_step)
+    return EpochSampler(len(train_set), cfg.seed, samples_per_step)
+
+
 def fast_reader(dataset):
     """ArrowBlocks over `dataset` if it holds only fixed-length token blocks in storage order (what
-    the shipped data.py makes); any other dataset (a fork's own, a filtered view) as it is."""
+    the shipped data.py makes); any other dataset (a fork's own, a filtered view) as it is. A
+    mixture's concatenation: each of its sources so."""
     import datasets
 
+    if isinstance(dataset, Concatenation):
+        return dataset.with_parts(fast_reader)
     if not isinstance(dataset, datasets.Dataset):
         return dataset
     if dataset._indices is not None or dataset.column_names != ["input_ids"]:
@@ -157,7 +177,16 @@ def fast_reader(dataset):
 
 
 def data_identity(cfg, train_set) -> dict:
-    """What a resume must find unchanged for the data order to continue exactly where it stopped."""
+    """What a resume must find unchanged for the data order to continue exactly where it stopped. A
+    mixture: its sources and weights (as `dataset`), and each source's own identity under its
+    name."""
+    if cfg.mixture:
+        identity = {"seed": cfg.seed, "dataset": describe(cfg.mixture)}
+        for source in cfg.mixture:
+            own = data_identity(source_config(cfg, source), train_set.parts[source.name])
+            own.pop("seed")  # the run's, above
+            identity.update({f"{source.name}/{key}": value for key, value in own.items()})
+        return identity
     if cfg.streaming:  # no packed data to digest: the source's files (or hub revision) instead
         return {
             "seed": cfg.seed,

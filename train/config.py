@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 import yaml
 
 from errors import ConfigError
+from sources import Source, parse_dataset
 
 TRACKERS = ("none", "wandb", "tensorboard")
 
@@ -52,10 +53,15 @@ class TrainConfig:
     # W&B group, e.g. one name for the runs of a sweep
     wandb_group: str = ""
     # ---- data
-    # "python_stdlib" (offline corpus), a local file/folder, or a hub name
+    # "python_stdlib" (offline corpus), a local file/folder, or a hub name; or a weighted mixture of
+    # several: "a.jsonl:0.7,owner/name@config:0.3", or in YAML a list of {path, weight, name, config,
+    # split, text_column} (docs/data.md)
     dataset: str = "python_stdlib"
     # hub dataset configuration name, if it has several
     dataset_config: str = ""
+    # the split to train on; eval reads the source's validation (or test) split, else holds out
+    # eval_fraction of this one
+    dataset_split: str = "train"
     # the column holding the raw text
     text_column: str = "text"
     # share of documents held out when the dataset has no validation split
@@ -173,6 +179,11 @@ class TrainConfig:
         return self.run_name or os.path.basename(os.path.normpath(self.output_dir))
 
     @property
+    def mixture(self) -> tuple[Source, ...]:
+        """The sources of a mixed dataset; () for one."""
+        return self.dataset if isinstance(self.dataset, tuple) else ()
+
+    @property
     def tokenizer_name(self) -> str:
         return self.tokenizer or ("bytes" if self.model == "gpt" else self.model)
 
@@ -244,6 +255,7 @@ class TrainConfig:
         why = "must be 0 with streaming (the stream is read in the training process, where its position is saved)"
         _require("num_workers", workers_ok, why, self.num_workers)
         _require("text_column", self.text_column != "", "must not be empty", self.text_column)
+        _require("dataset_split", self.dataset_split != "", "must not be empty", self.dataset_split)
         if self.optimizer == "muon" and self.fsdp != "no":
             raise ConfigError(MUON_UNDER_FSDP)
         factor_ok = self.straggler_factor > 1
@@ -345,7 +357,10 @@ def saved_config(path) -> TrainConfig:
     weights are used. Keys this version does not know are left out."""
     values = _read_yaml(str(path))
     known = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{key: value for key, value in values.items() if key in known})
+    values = {key: value for key, value in values.items() if key in known}
+    if "dataset" in values:
+        values["dataset"] = parse_dataset(values["dataset"])
+    return TrainConfig(**values)
 
 
 def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
@@ -395,6 +410,8 @@ _FALSE = ("false", "0", "no", "off")
 def _coerce(key: str, raw, type_name: str):
     """Turn a YAML value or a CLI string into the field's type, or raise ConfigError naming the
     key."""
+    if key == "dataset":
+        return parse_dataset(raw)
     exact = not isinstance(raw, bool)  # YAML's true is no number, and no string either
     if type_name == "bool" and (not exact or str(raw).lower() in _TRUE + _FALSE):
         return raw if not exact else str(raw).lower() in _TRUE

@@ -135,7 +135,8 @@ def some_blocks(name: str, blocks, cfg):
 
 
 def load_text(cfg):
-    """A DatasetDict with a 'train' split (and a validation split if the source has one)."""
+    """A DatasetDict with the split to train on, cfg.dataset_split (and a validation split if the
+    source has one). Local files are one split, 'train'."""
     import datasets  # a heavy import, made only when data is read
 
     source = cfg.dataset
@@ -155,10 +156,15 @@ def load_text(cfg):
             raise ConfigError(
                 f"dataset '{source}' could not be loaded from the hub{why}: {first_line(e)}"
             ) from None
-    columns = splits["train"].column_names
+    if cfg.dataset_split not in splits:
+        raise ConfigError(
+            f"dataset_split '{cfg.dataset_split}' is not a split of '{cfg.dataset}' "
+            f"(splits: {', '.join(splits)})"
+        )
+    columns = splits[cfg.dataset_split].column_names
     if not columns:  # a stream knows its columns from its first row
         try:
-            columns = list(next(iter(splits["train"]), {}))
+            columns = list(next(iter(splits[cfg.dataset_split]), {}))
         except Exception as e:  # a malformed first line
             raise unreadable_data(cfg.dataset, e) from None
     if cfg.text_column not in columns:
@@ -199,9 +205,10 @@ def data_files(path: str) -> list[str]:
 
 
 def train_eval_split(splits, cfg):
+    train = splits[cfg.dataset_split]
     for name in ("validation", "test"):
-        if name in splits:
-            return splits["train"], splits[name]
+        if name in splits and name != cfg.dataset_split:
+            return train, splits[name]
     if cfg.streaming:
         # no index to split by: a document is held out by a hash of its text, whatever its position
         def held_out(document) -> bool:
@@ -211,9 +218,9 @@ def train_eval_split(splits, cfg):
         def kept(document) -> bool:
             return not held_out(document)
 
-        return splits["train"].filter(kept), splits["train"].filter(held_out)
+        return train.filter(kept), train.filter(held_out)
     # a fixed split seed: changing `seed` must not move documents between train and eval
-    split = splits["train"].train_test_split(test_size=cfg.eval_fraction, seed=0, shuffle=True)
+    split = train.train_test_split(test_size=cfg.eval_fraction, seed=0, shuffle=True)
     return split["train"], split["test"]
 
 

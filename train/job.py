@@ -231,7 +231,9 @@ def load_checked_config(argv) -> TrainConfig:
     """load_config's types and ranges, then what needs a file or the hub."""
     cfg = load_config(argv)
     check_sources(cfg)  # --resume, --init_from
-    check_dataset_name(cfg.dataset)
+    # each source of a mixture, or the one dataset
+    for path in [source.path for source in cfg.mixture] or [cfg.dataset]:
+        check_dataset_name(path)
     # a Hugging Face model and tokenizer: their small config files only
     check_model_and_tokenizer(cfg)
     return cfg

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
-from batches import EpochSampler, TrainBatches, data_identity, fast_reader
+from batches import TrainBatches, data_identity, data_order, fast_reader
 from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model, latest_checkpoint
 from compiling import compile_model, compile_wanted
 from compiling import report as compile_report
@@ -42,13 +42,14 @@ from lm import (
     flops_per_token,
     save_tokenizer,
 )
+from mixture import build_data
 from model import build_model
 from optim import build_optimizer, set_lr
 from plumbing import Plumbing, check_world_size, init_process_group
 from provenance import environment_info
 from resume import resume_or_start
 from saving import Checkpointer
-from streaming import StreamBatches
+from streaming import stream_batches
 from tracking import MetricsLogger, Throughput, new_run_id
 
 
@@ -135,7 +136,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     else:
         cache_filler_goes_first = accelerator.local_main_process_first
     with cache_filler_goes_first():
-        train_set, eval_set = build_datasets(cfg)
+        # data.py's datasets; a mixture (--dataset a:0.7,b:0.3): each source's, the train sets joined
+        train_set, eval_sets = build_data(cfg, build_datasets)
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     check_data_size(train_set, global_batch, cfg)
     identity = data_identity(cfg, train_set)  # what a resume must find unchanged
@@ -147,12 +149,13 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     sampler = None
     train_loader = None  # streaming: each process reads its own share of the stream (streaming.py)
     if not cfg.streaming:
-        # the order: a function of (seed, epoch)
-        sampler = EpochSampler(len(train_set), cfg.seed, global_batch)
+        # the order: a function of (seed, epoch); a mixture's also of the weights
+        sampler = data_order(cfg, train_set, global_batch)
         train_loader = DataLoader(
             fast_reader(train_set), sampler=sampler, drop_last=True, **loader_options(cfg)
         )
-    eval_loader = DataLoader(fast_reader(eval_set), **loader_options(cfg))
+    # one eval set per source of a mixture: each source's loss, and the loss over all of them
+    eval_loaders = [DataLoader(fast_reader(s), **loader_options(cfg)) for s in eval_sets.values()]
     # ---------------------------------------------------------------- model and optimizer
     model = build_causal_lm(cfg, build_model)  # model.py's, or the Hugging Face model --model names
     if cfg.activation_checkpointing:
@@ -160,19 +163,20 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     optimizer = build_optimizer(model, cfg)
     # prepare: wraps the model in DDP (or shards it, FSDP, and points the optimizer at the shards);
     # each loader gives this rank its share of every global batch, on the device
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader
+    model, optimizer, train_loader, *eval_loaders = accelerator.prepare(
+        model, optimizer, train_loader, *eval_loaders
     )
+    eval_loaders = dict(zip(eval_sets, eval_loaders, strict=True))
     if accelerator.scaler is None:
         # accelerate's optimizer wrapper only steps fp16's loss scaler; without one it costs 0.3 ms
         # a step
         optimizer = getattr(optimizer, "optimizer", optimizer)
     if cfg.streaming:
-        batches = StreamBatches(train_set, cfg, accelerator)
+        batches = stream_batches(train_set, cfg, accelerator)
     else:
         batches = TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
     # .loss is what eval reports
-    check_loss_contract(model, first_eval_batch(eval_set, accelerator.device))
+    check_loss_contract(model, first_eval_batch(eval_sets, accelerator.device))
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     if compile_wanted(cfg.compile):
         compile_model(plain_model, cfg.output_dir)  # block by block, in place (compiling.py)
@@ -190,7 +194,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     checkpointer = Checkpointer(accelerator, cfg, parts, identity, log)
     # a resumed run continues its W&B run
     state.tracker_run_id = state.tracker_run_id or new_run_id()
-    log.start(cfg, state.step, run_info(cfg, accelerator, plain_model, train_set, eval_set))
+    log.start(cfg, state.step, run_info(cfg, accelerator, plain_model, train_set, eval_sets))
     log.start_trackers(state.tracker_run_id, state.step)
     tokens_per_step = global_batch * cfg.block_size
     throughput = Throughput(
@@ -263,7 +267,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
             stopping = stop_signals.requested(accelerator)
         log.advance()
         if state.step % cfg.eval_every == 0 or is_last:
-            log.log(state.step, evaluate(model, eval_loader, accelerator))
+            log.log(state.step, evaluate(model, eval_loaders, accelerator))
         if saving or stopping:
             checkpointer.save(state.step)  # with async_save, written while training goes on
         if stopping:
@@ -289,20 +293,29 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
 
 
 @torch.no_grad()
-def evaluate(model, eval_loader, accelerator) -> dict:
-    """The eval metrics over exactly the eval set (lm.eval_metrics), computed on every rank."""
+def evaluate(model, eval_loaders: dict, accelerator) -> dict:
+    """The eval metrics over exactly the eval set (lm.eval_metrics), computed on every rank. A
+    mixture's: over all its sources' eval sets together, and each source's as eval_<metric>/<name>."""
     model.eval()
-    totals = {}
-    for batch in eval_loader:
-        columns = eval_columns(model(**batch).logits, batch["labels"])
-        # the sampler pads the last batches so every rank has as many; gather_for_metrics drops the
-        # copies
-        for name, values in accelerator.gather_for_metrics(columns).items():
-            totals[name] = totals.get(name, 0.0) + values.sum()
+    sums = {}  # (source, column): the column's sum over the source's eval set
+    for source, eval_loader in eval_loaders.items():
+        for batch in eval_loader:
+            columns = eval_columns(model(**batch).logits, batch["labels"])
+            # the sampler pads the last batches so every rank has as many; gather_for_metrics drops
+            # the copies
+            for name, values in accelerator.gather_for_metrics(columns).items():
+                sums[source, name] = sums.get((source, name), 0.0) + values.sum()
     model.train()
-    names = list(totals)
-    sums = torch.stack([totals[name] for name in names]).tolist()  # one device-to-host copy
-    return eval_metrics(dict(zip(names, sums, strict=True)))
+    # one device-to-host copy
+    totals = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))
+    names = dict.fromkeys(name for _, name in totals)
+    overall = {name: sum(v for (_, n), v in totals.items() if n == name) for name in names}
+    metrics = eval_metrics(overall)
+    for source in eval_loaders:
+        if source:  # a mixture's source
+            own = {name: value for (s, name), value in totals.items() if s == source}
+            metrics.update({f"{key}/{source}": value for key, value in eval_metrics(own).items()})
+    return metrics
 
 
 def loader_options(cfg: TrainConfig) -> dict:
@@ -317,14 +330,15 @@ def loader_options(cfg: TrainConfig) -> dict:
     }
 
 
-def first_eval_batch(eval_set, device) -> dict:
-    """Up to two eval samples as one batch, on the device: enough to check the model's loss
-    contract."""
+def first_eval_batch(eval_sets: dict, device) -> dict:
+    """Up to two eval samples (of the first source's) as one batch, on the device: enough to check
+    the model's loss contract."""
+    eval_set = next(iter(eval_sets.values()))
     batch = collate([eval_set[i] for i in range(min(2, len(eval_set)))])
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def run_info(cfg: TrainConfig, accelerator, plain_model, train_set, eval_set) -> dict:
+def run_info(cfg: TrainConfig, accelerator, plain_model, train_set, eval_sets) -> dict:
     """What run_info.json and the first log lines say about the run."""
     global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     return {
@@ -335,7 +349,7 @@ def run_info(cfg: TrainConfig, accelerator, plain_model, train_set, eval_set) ->
         "global_batch_size": global_batch,
         "tokens_per_step": global_batch * cfg.block_size,
         "train_samples": "streamed" if cfg.streaming else len(train_set),
-        "eval_samples": len(eval_set),
+        "eval_samples": sum(len(eval_set) for eval_set in eval_sets.values()),
         "parameters": sum(p.numel() for p in plain_model.parameters()),
     }
 

@@ -24,6 +24,8 @@ import torch
 import data
 from errors import ConfigError
 from lm import unreadable_data
+from mixture import apportion, spread
+from sources import source_config
 
 DOCUMENTS_PER_READ = 64  # documents packed together (a fast tokenizer's batch call)
 
@@ -33,7 +35,7 @@ class StreamBatches:
     part written by every process. Each block drawn has a sample id, (epoch, blocks packed before it
     by this process)."""
 
-    def __init__(self, documents, cfg, plumbing):
+    def __init__(self, documents, cfg, plumbing, source_index: int | None = None):
         from datasets.distributed import split_dataset_by_node
 
         self.documents = split_dataset_by_node(
@@ -46,7 +48,8 @@ class StreamBatches:
         self.block_size = cfg.block_size
         self.batch_size = cfg.batch_size
         self.buffer_size = cfg.shuffle_buffer
-        self.seed = cfg.seed
+        # a mixture's sources draw from generators of their own
+        self.seed_entropy = [cfg.seed] if source_index is None else [cfg.seed, source_index]
         self._start_epoch(0)
 
     @property
@@ -55,12 +58,8 @@ class StreamBatches:
         return self._epoch
 
     def __next__(self) -> dict:
-        blocks = np.stack(
-            [self.next_block()[1] for _ in range(self.batch_size)]
-        )  # a copy: writable
-        samples = [{"input_ids": block} for block in torch.from_numpy(blocks)]
-        batch = data.collate(samples)
-        return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+        blocks = [self.next_block()[1] for _ in range(self.batch_size)]
+        return as_batch(blocks, self.device)
 
     def next_block(self) -> tuple[tuple[int, int], np.ndarray]:
         """(sample id, block): a random block of the buffer, the buffer topped up from the source
@@ -85,7 +84,8 @@ class StreamBatches:
         self._packed = 0
         self._source_done = False
         self._buffer = []
-        seed = np.random.SeedSequence([self.seed, epoch, self.rank]).generate_state(1, np.uint64)[0]
+        entropy = [*self.seed_entropy, epoch, self.rank]
+        seed = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
         self._generator = torch.Generator().manual_seed(int(seed) >> 1)
         self.documents.set_epoch(epoch)
         if source_state is not None:  # takes effect at the next iter(), for this epoch only
@@ -138,3 +138,72 @@ class StreamBatches:
         ids = [tuple(sample_id) for sample_id in state["buffer_ids"]]
         self._buffer = list(zip(ids, state["buffer"].numpy(), strict=True))
         self._generator.set_state(state["generator"])
+
+
+def as_batch(blocks: list[np.ndarray], device) -> dict:
+    """Blocks in, the model's inputs on the device out (data.py's collate)."""
+    stacked = torch.from_numpy(np.stack(blocks))  # a copy: writable
+    batch = data.collate([{"input_ids": block} for block in stacked])
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def stream_batches(train_set, cfg, plumbing):
+    """This process's stream of micro-batches: one stream (StreamBatches), or a mixture's
+    (MixedStream)."""
+    if not cfg.mixture:
+        return StreamBatches(train_set, cfg, plumbing)
+    streams = {}
+    for index, source in enumerate(cfg.mixture):
+        documents = train_set.parts[source.name]
+        streams[source.name] = StreamBatches(
+            documents, source_config(cfg, source), plumbing, source_index=index
+        )
+    weights = [source.weight for source in cfg.mixture]
+    return MixedStream(streams, weights, cfg, plumbing)
+
+
+class MixedStream:
+    """A mixture's streamed sources, one StreamBatches each, drawn in the weights' proportions.
+    Sample i of this process's micro-batch m is sample ((m * world_size + rank) * batch_size + i) of
+    the run, whose source the mixture's spread fixes (mixture.py): every global batch holds each
+    source's share to within a sample or two. A source that runs out starts its next epoch alone. The
+    position: micro-batches drawn, and each source's stream state (the same world size to resume)."""
+
+    PASS_STEPS = 1024  # optimizer steps per pass of the spread: the shares are exact over each
+
+    def __init__(self, streams: dict, weights: list[float], cfg, plumbing):
+        self.streams = streams
+        self.sources = list(streams.values())
+        self.drawn = [
+            stream for stream, weight in zip(self.sources, weights, strict=True) if weight > 0
+        ]
+        self.rank = plumbing.process_index
+        self.world_size = plumbing.num_processes
+        self.batch_size = cfg.batch_size
+        self.device = plumbing.device
+        samples_per_step = cfg.batch_size * cfg.grad_accum_steps * plumbing.num_processes
+        self.labels = spread(apportion(weights, samples_per_step * self.PASS_STEPS))
+        self.micro_batches = 0
+
+    @property
+    def epoch(self) -> int:
+        """Passes completed over every source drawn from (the slowest one's)."""
+        return min(stream.epoch for stream in self.drawn)
+
+    def __next__(self) -> dict:
+        first = (self.micro_batches * self.world_size + self.rank) * self.batch_size
+        blocks = []
+        for sample in range(first, first + self.batch_size):
+            source = self.labels[sample % len(self.labels)]
+            blocks.append(self.sources[source].next_block()[1])
+        self.micro_batches += 1
+        return as_batch(blocks, self.device)
+
+    def state_dict(self) -> dict:
+        sources = {name: stream.state_dict() for name, stream in self.streams.items()}
+        return {"micro_batches": self.micro_batches, "sources": sources}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.micro_batches = state["micro_batches"]
+        for name, stream in self.streams.items():
+            stream.load_state_dict(state["sources"][name])

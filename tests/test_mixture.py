@@ -1,0 +1,158 @@
+"""Weighted mixtures (train/sources.py, train/mixture.py): the --dataset forms and their one-line errors, the
+shares each global batch and each pass get, every source's own epochs, and the order as a pure function of the
+position (what an exact resume needs)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import data
+from batches import data_identity, data_order, fast_reader
+from config import TrainConfig, load_config
+from errors import ConfigError
+from mixture import Concatenation, MixtureSampler, apportion, build_data, spread
+from sources import Source
+
+
+def test_the_compact_form_and_the_yaml_list_give_the_same_sources(tmp_path):
+    compact = load_config(["--dataset", "data/web.jsonl:0.7,owner/books@en:0.3"]).dataset
+    listed = tmp_path / "mix.yaml"
+    listed.write_text(
+        "dataset:\n  - {path: data/web.jsonl, weight: 0.7}\n"
+        "  - {path: owner/books, config: en, weight: 0.3}\n"
+    )
+    assert load_config(["--config", str(listed)]).dataset == compact
+    assert compact == (
+        Source("data/web.jsonl", 0.7, "web"),
+        Source("owner/books", 0.3, "books_en", config="en"),
+    )
+    flow = "[{path: a.txt, weight: 2, name: code, split: validation, text_column: body}, {path: b.txt}]"
+    sources = load_config(["--dataset", flow]).mixture
+    assert sources[0] == Source("a.txt", 2.0, "code", "", "validation", "body")
+    assert sources[1].weight == 1.0  # a weight left out is 1
+    assert load_config(["--dataset", "data/one.jsonl"]).mixture == ()  # one source: as always
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (
+            "a.jsonl:-0.5,b.jsonl:1",
+            "dataset: the weight of 'a.jsonl' must be >= 0 and finite (got -0.5)",
+        ),
+        ("a.jsonl:0,b.jsonl:0", "dataset: the weights are all 0"),
+        ("a.jsonl:x,b.jsonl:1", "dataset: the weight of 'a.jsonl' must be a number (got 'x')"),
+        ("a.jsonl:nan,b.jsonl:1", "dataset: the weight of 'a.jsonl' must be >= 0 and finite"),
+        ("x/a.jsonl:1,y/a.jsonl:1", "dataset: two sources are named 'a'"),
+        ("a.jsonl:1", "dataset: a mixture needs two or more sources"),
+        ("[{path: a, wieght: 1}, {path: b}]", "dataset: entry 1 has unknown key 'wieght'"),
+        ("[{weight: 1}, {path: b}]", "dataset: entry 1 must be a mapping with a path"),
+        (":1,b:1", "dataset: ':1' names no source"),
+    ],
+)
+def test_a_bad_mixture_is_one_line_naming_dataset(value, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(["--dataset", value])
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_apportion_is_exact_in_total_and_within_one_per_share():
+    for weights, total in [([0.7, 0.3], 16), ([1, 1, 1], 100), ([5, 0, 1], 7), ([0.01, 0.99], 3)]:
+        shares = apportion(weights, total)
+        assert sum(shares) == total
+        exact = np.asarray(weights) / sum(weights) * total
+        assert np.all(np.abs(np.asarray(shares) - exact) < 1)
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.25, 0.25], [0.9, 0.08, 0.02], [3, 0, 1]])
+def test_every_global_batch_holds_each_sources_share_to_within_two_samples(weights):
+    """The stated tolerance, for S sources: after any n samples, each source's count is within (S + 1) / 2 of
+    n * w (spread's bound: half a sample from rounding its own due times, plus w * S / 2 from the others'),
+    so over N steps of G samples its share is within (S + 1) / (2 N G) of w, and exact at the end of each
+    pass; in every global batch, within 2 samples of G * w (measured here)."""
+    global_batch, steps = 16, 64
+    labels = spread(apportion(weights, global_batch * steps))
+    shares = np.asarray(weights) / sum(weights)
+    bound = (len(weights) + 1) / 2
+    counts = np.zeros(len(weights))
+    for n, label in enumerate(labels, start=1):
+        counts[label] += 1
+        assert np.all(np.abs(counts - n * shares) <= bound), (n, counts)
+    assert counts.tolist() == apportion(weights, global_batch * steps)  # the pass's quotas, exactly
+    for step in range(steps):
+        window = labels[step * global_batch : (step + 1) * global_batch]
+        per_step = np.bincount(window, minlength=len(weights))
+        assert np.all(np.abs(per_step - global_batch * shares) < 2), (step, per_step)
+
+
+def test_each_source_runs_through_its_own_epochs_and_a_small_one_starts_again_alone():
+    """Sizes 40 and 7, weights 0.5/0.5, global batch 8: the pass is 40 samples (5 steps), 20 from each. The
+    small source's 20 draws are its epochs 0, 1 (7 each) and 6 of epoch 2: each a permutation of its 7
+    samples; the big one is half-way through its first epoch, all different samples."""
+    sampler = MixtureSampler([40, 7], [0.5, 0.5], seed=3, samples_per_step=8)
+    order = list(sampler)
+    assert len(order) == len(sampler) == 40
+    big = [i for i in order if i < 40]
+    small = [i - 40 for i in order if i >= 40]
+    assert len(big) == len(small) == 20 and len(set(big)) == 20
+    assert sorted(small[:7]) == sorted(small[7:14]) == list(range(7)) and small[:7] != small[7:14]
+    # the next pass continues each source where it was: the big one's second half, the small one's epoch 2
+    sampler.set_epoch(1)
+    second = list(sampler)
+    big2 = [i for i in second if i < 40]
+    assert sorted(big + big2) == list(range(40))
+    small2 = [i - 40 for i in second if i >= 40]
+    assert sorted(small[14:] + small2[:1]) == list(range(7))
+
+
+def test_the_order_is_a_function_of_the_position_only():
+    """What TrainBatches resumes from (samples consumed): the tail of a pass, and the same pass again."""
+    sampler = MixtureSampler([30, 11, 5], [0.6, 0.3, 0.1], seed=1, samples_per_step=6)
+    sampler.set_epoch(4)
+    full = list(sampler)
+    sampler.start_next_pass_at(18)
+    assert list(sampler) == full[18:]
+    again = MixtureSampler([30, 11, 5], [0.6, 0.3, 0.1], seed=1, samples_per_step=6)
+    again.set_epoch(4)
+    assert list(again) == full
+    other_seed = MixtureSampler([30, 11, 5], [0.6, 0.3, 0.1], seed=2, samples_per_step=6)
+    other_seed.set_epoch(4)
+    assert list(other_seed) != full
+
+
+def test_concatenation_reads_each_source_and_keeps_the_order():
+    first = [{"input_ids": torch.tensor([i])} for i in range(5)]
+    second = [{"input_ids": torch.tensor([100 + i])} for i in range(3)]
+    joined = Concatenation({"a": first, "b": second})
+    assert len(joined) == 8
+    read = joined.__getitems__([6, 0, 7, 4, 5])
+    assert [int(sample["input_ids"]) for sample in read] == [101, 0, 102, 4, 100]
+
+
+@pytest.mark.shipped  # reads two corpora with the shipped data.py
+def test_a_mixture_of_two_corpora_trains_on_the_weights_shares(tmp_path):
+    """Built as main.py builds it: the observed share of each source over 30 steps of 16 samples, told
+    apart by their text, is within 1/16 of its weight; the resume identity names both sources."""
+    for name, word, docs in (("web", "alpha", 80), ("code", "BETA", 20)):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for i in range(docs):
+                f.write(json.dumps({"text": f"{word} {i} " * 12}) + "\n")
+    mixture = f"{tmp_path / 'web.jsonl'}:0.75,{tmp_path / 'code.jsonl'}:0.25"
+    cfg = TrainConfig(dataset=load_config(["--dataset", mixture]).dataset, block_size=16)
+    train_set, eval_sets = build_data(cfg, data.build_datasets)
+    assert list(eval_sets) == ["web", "code"] and all(len(s) for s in eval_sets.values())
+    sampler = data_order(cfg, train_set, samples_per_step=16)
+    order = list(sampler)
+    reader = fast_reader(train_set)
+    from_code = []
+    for step in range(30):
+        samples = reader.__getitems__(order[step * 16 : (step + 1) * 16])
+        texts = [bytes(s["input_ids"].tolist()).decode(errors="replace") for s in samples]
+        assert all(("alpha" in t) != ("BETA" in t) for t in texts)  # one source per block
+        from_code.append(sum("BETA" in t for t in texts))
+    assert all(abs(n - 4) <= 1 for n in from_code)  # 16 x 0.25 per step, to within a sample
+    assert abs(sum(from_code) / (30 * 16) - 0.25) <= 1 / 16
+    identity = data_identity(cfg, train_set)
+    assert identity["dataset"].endswith(":0.25") and "code/data_digest" in identity
