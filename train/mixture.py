@@ -4,8 +4,8 @@ Each source is built by data.py on its own, as if it were the only dataset (sour
 so a fork's data.py needs nothing new. Which source each training sample comes from is fixed by
 the weights alone, before any data is read:
 
-- The run is cut into passes of `pass_samples` samples (map-style: about the sources' total
-  size, in whole global batches). Each source gets a whole-number quota of every pass, its
+- The run is cut into passes (map-style: of about the sources' total size, in whole global
+  batches; streamed: of MixedStream.PASS_STEPS steps). Each source gets a whole-number quota of every pass, its
   weight's share rounded by largest remainder, so over each pass the shares are exact.
 - Within a pass the sources' samples are spread evenly (`spread`: the k-th sample of a source
   of quota q sits at (k + 1/2) / q of the pass): after any n samples, each source's count is
