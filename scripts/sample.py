@@ -11,42 +11,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
-from checkpoint import check_weights  # noqa: E402
-from config import saved_config  # noqa: E402
+import harness  # noqa: E402
 from errors import ConfigError  # noqa: E402
-from lm import build_causal_lm, load_tokenizer  # noqa: E402
 from model import build_model  # noqa: E402
 
 
 def load_trained(folder: Path):
     """(config, model with the folder's weights, tokenizer or None for bytes); a ConfigError if they do not fit."""
-    weights = folder / "model.safetensors"
-    if not (folder / "config.yaml").is_file():
-        raise ConfigError(
-            f"{folder} has no config.yaml: pass a run folder or one of its checkpoints"
-        )
-    if not weights.is_file():
-        hint = (
-            f": its shards make one file with python scripts/consolidate.py {folder} OUT.safetensors"
-            if (folder / "model" / ".metadata").is_file()
-            else " (the run has not finished: pass a checkpoint)"
-        )
-        raise ConfigError(f"{folder} has no model.safetensors{hint}")
-    cfg = saved_config(folder / "config.yaml")
-    # the architecture only: the folder's weights replace the first
-    cfg = replace(cfg, model_weights="config")
-    model = build_causal_lm(cfg, build_model)
-    check_weights(weights, model)  # another shape: one line naming what differs
-    load_model(model, str(weights))
-    return cfg, model.eval(), load_tokenizer(cfg.tokenizer_name)
+    return harness.load_trained(folder, build_model)
 
 
 @torch.no_grad()

@@ -145,6 +145,14 @@ class TrainConfig:
     # write checkpoints in the background: training waits only for a copy to CPU memory, and the
     # checkpoint is published at a later logging step once every process has written it (saving.py)
     async_save: bool = True
+    # ---- standard evaluations (lm-evaluation-harness: pip install -r requirements-eval.txt)
+    # harness tasks run on the export at the end of training, comma-separated, e.g.
+    # hellaswag,arc_easy; scripts/evaluate.py runs them on any run or checkpoint later
+    eval_tasks: str = ""
+    # a folder (or file) of your own harness task YAMLs, for eval_tasks
+    eval_task_path: str = ""
+    # at most this many examples of each task; 0 = all
+    eval_limit: int = 0
     # ---- distributed
     # collective timeout at start-up (data preparation, the first step), saves and the export; raise
     # it if one node prepares data much longer than others
@@ -291,6 +299,7 @@ NON_NEGATIVE = (
     "min_lr",
     "lr_decay_steps",
     "muon_weight_decay",
+    "eval_limit",
 )
 INTERVALS = {  # key: (low, high, as the error shows it)
     "dropout": (0, 1, "[0, 1)"),

@@ -27,6 +27,7 @@ from config import TrainConfig, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line
 from hangs import explain as explain_hang
 from hangs import stop_watching
+from harness import check_tasks
 from lm import check_dataset_name, check_model_and_tokenizer
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
@@ -236,6 +237,9 @@ def load_checked_config(argv) -> TrainConfig:
         check_dataset_name(path)
     # a Hugging Face model and tokenizer: their small config files only
     check_model_and_tokenizer(cfg)
+    if cfg.eval_tasks:  # installed, and every task known: not found out after the training
+        tasks = [task for task in cfg.eval_tasks.split(",") if task]
+        check_tasks("eval_tasks", tasks, cfg.eval_task_path)
     return cfg
 
 

@@ -32,6 +32,7 @@ from config import MUON_UNDER_FSDP, TrainConfig
 from data import build_datasets, collate
 from errors import ConfigError, RunError
 from hangs import Watch
+from harness import evaluate_export
 from job import claim_run_folder, load_config_or_exit, run_or_exit, stop_signals
 from lm import (
     build_causal_lm,
@@ -284,6 +285,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         accelerator, model, cfg.output_dir, save_extras=lambda folder: save_tokenizer(cfg, folder)
     )
     log.info(f"model: {path}")
+    if cfg.eval_tasks:  # lm-evaluation-harness on the export, by the main process (harness.py)
+        log.log(state.step, evaluate_export(accelerator, cfg, build_model))
     # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
     log.close()
     return 0
