@@ -77,6 +77,7 @@ def accuracy_by_hand(model, encode) -> float:
 
 
 @needs_harness
+@pytest.mark.shipped  # the shipped GPT over bytes
 def test_the_built_in_gpt_scores_as_computed_by_hand(tmp_path):
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)
     torch.manual_seed(0)
@@ -104,6 +105,7 @@ def test_a_hugging_face_model_scores_as_computed_by_hand(tmp_path, tiny_llama, b
 
 
 @needs_harness
+@pytest.mark.shipped  # the shipped GPT over bytes
 def test_batched_scoring_equals_one_at_a_time_and_keeps_the_last_block_size_tokens():
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
     torch.manual_seed(1)

@@ -48,6 +48,7 @@ def test_the_schedule_ends_at_its_horizon_and_warmup_follows_it():
     assert all(lr_at(s, cfg) == pytest.approx(0.1) for s in range(100, 200))  # extended at min_lr
 
 
+@pytest.mark.shipped  # names the shipped GPT's modules
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     cfg = TrainConfig(
         n_layer=2, n_head=2, n_embd=16, block_size=8, optimizer="muon", bias=True, lr=1e-3
@@ -74,6 +75,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert muon_groups[0]["lr"] == pytest.approx(cfg.muon_lr * cfg.min_lr / cfg.lr)
 
 
+@pytest.mark.shipped  # the shipped GPT's blocks
 def test_muon_with_adamw_saves_and_loads_as_one_optimizer():
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, optimizer="muon")
     torch.manual_seed(0)

@@ -30,11 +30,6 @@ from hangs import patiently
 from lm import build_causal_lm, load_tokenizer
 from plumbing import collectively
 
-try:
-    from lm_eval.api.model import LM
-except ImportError:  # an optional install: check_installed says so in one line, before any use
-    LM = object
-
 INSTALL = "pip install -r requirements-eval.txt"
 
 
@@ -162,7 +157,7 @@ def run_tasks(
     from lm_eval import simple_evaluate
 
     results = simple_evaluate(
-        model=HarnessLM(model, tokenizer, block_size),
+        model=harness_model(model, tokenizer, block_size),
         tasks=tasks,
         task_manager=task_manager(tasks, task_path),
         limit=limit,
@@ -178,8 +173,17 @@ def run_tasks(
     return scores, results
 
 
-class HarnessLM(LM):
-    """The harness's LM interface over a causal LM whose forward(input_ids=...) returns .logits."""
+def harness_model(model, tokenizer, block_size: int):
+    """A HarnessLM that is also the harness's own LM class, as simple_evaluate requires. lm_eval is
+    imported here only: an optional install, and 0.3 s that a training start does not need."""
+    from lm_eval.api.model import LM
+
+    return type("HarnessLM", (HarnessLM, LM), {})(model, tokenizer, block_size)
+
+
+class HarnessLM:
+    """The harness's LM interface (harness_model adds its base class) over a causal LM whose
+    forward(input_ids=...) returns .logits."""
 
     def __init__(self, model, tokenizer, block_size: int, batch_size: int = 16):
         super().__init__()

@@ -20,8 +20,8 @@ from conftest import (
 
 pytestmark = pytest.mark.slow
 
-# global batch 2 x 4 x 2 = 16, 40% from the small source: its ~40 blocks last about 6 steps, so the step-12
-# checkpoint is mid-way through one of its epochs, and the big source's first epoch still goes on
+# global batch 2 x 4 x 2 = 16, half from each source: the small one's ~80 training blocks last 10 steps, so
+# the step-12 checkpoint is early in its second epoch, while the big source's first epoch still goes on
 MIXTURE = dict(
     max_steps=20,
     save_every=6,
@@ -35,16 +35,17 @@ MIXTURE = dict(
 
 @pytest.fixture(scope="module")
 def code_corpus(tmp_path_factory):
-    """A second source, with its text in another column: 40 small documents of Python-ish lines."""
+    """A second source, with its text in another column: 100 small documents of Python-ish lines (~100
+    blocks of 32 bytes)."""
     path = tmp_path_factory.mktemp("code") / "code.jsonl"
     with open(path, "w") as f:
-        for i in range(40):
+        for i in range(100):
             f.write(json.dumps({"body": f"def f{i}(x):\n    return x * {i}\n"}) + "\n")
     return path
 
 
 def mixture_args(output_dir, corpus, code_corpus, streaming: bool) -> list[str]:
-    sources = f"[{{path: {corpus}, weight: 0.6}}, {{path: {code_corpus}, weight: 0.4, text_column: body}}]"
+    sources = f"[{{path: {corpus}, weight: 0.5}}, {{path: {code_corpus}, weight: 0.5, text_column: body}}]"
     return tiny_args(output_dir, sources, **MIXTURE, streaming=streaming)
 
 

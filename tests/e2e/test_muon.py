@@ -4,9 +4,20 @@ refusals (another optimizer's checkpoint, FSDP) in one line."""
 import pytest
 import torch
 
-from conftest import launch_accelerate, launch_torchrun, load_weights, run_python, tiny_args
+from conftest import (
+    launch_accelerate,
+    launch_torchrun,
+    load_weights,
+    model_declares_blocks,
+    run_python,
+    tiny_args,
+)
 
-pytestmark = pytest.mark.slow
+# Muon takes the weight matrices of the model's blocks (_no_split_modules)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not model_declares_blocks(), reason="model.py's model declares no blocks"),
+]
 
 MUON = dict(optimizer="muon", max_steps=16, save_every=8, eval_every=8, grad_accum_steps=2)
 
