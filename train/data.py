@@ -10,8 +10,11 @@ What the rest of train/ uses of it, and nothing else:
         The one packer of the run: train and eval, map-style and streamed, all go through it.
     collate(samples) -> dict
         A list of samples in, one batch out: the model's keyword arguments (here input_ids and labels).
-Nothing here looks at ranks: the plumbing gives each process its share. The dataset's identity for resuming
-(datasets' fingerprint of the data and its processing) is taken by batches.data_identity.
+Nothing here looks at ranks: the plumbing gives each process its share. The dataset's identity for
+resuming (datasets' fingerprint of the data and its processing) is taken by batches.data_identity. A
+mixture of datasets (--dataset a.jsonl:0.7,b.jsonl:0.3; mixture.py) calls build_datasets once per
+source, with that source in cfg.dataset, cfg.dataset_config, cfg.dataset_split and cfg.text_column:
+nothing here needs to know about mixtures.
 
 This one reads text through Hugging Face `datasets` and packs it into `block_size`-token blocks, tokenized as
 UTF-8 bytes or by a Hugging Face tokenizer (--tokenizer). `dataset` (a config key) selects the text:

@@ -118,9 +118,7 @@ def evaluate_folder(folder: Path, build_model, tasks, task_path="", limit=None, 
     path.parent.mkdir(exist_ok=True)
     written = json.loads(path.read_text()) if path.is_file() else {"step": step, "scores": {}}
     written["scores"].update(scores)
-    written.setdefault("harness", {}).update(
-        {task: results["results"][task] for task in results["results"]}
-    )
+    written.setdefault("harness", {}).update(results["results"])
     written["model"] = str(folder)
     written["lm_eval_version"] = results.get("lm_eval_version")
     path.write_text(json.dumps(written, indent=2, default=str) + "\n")
