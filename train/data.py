@@ -11,7 +11,7 @@ What the rest of train/ uses of it, and nothing else:
     collate(samples) -> dict
         A list of samples in, one batch out: the model's keyword arguments (here input_ids and labels).
 Nothing here looks at ranks: the plumbing gives each process its share. The dataset's identity for
-resuming (datasets' fingerprint of the data and its processing) is taken by batches.data_identity. A
+resuming (a digest of its content) is taken by batches.data_identity. A
 mixture of datasets (--dataset a.jsonl:0.7,b.jsonl:0.3; mixture.py) calls build_datasets once per
 source, with that source in cfg.dataset, cfg.dataset_config, cfg.dataset_split and cfg.text_column:
 nothing here needs to know about mixtures.
