@@ -156,3 +156,26 @@ def test_a_mixture_of_two_corpora_trains_on_the_weights_shares(tmp_path):
     assert abs(sum(from_code) / (30 * 16) - 0.25) <= 1 / 16
     identity = data_identity(cfg, train_set)
     assert identity["dataset"].endswith(":0.25") and "code/data_digest" in identity
+
+
+def test_a_resume_with_other_weights_or_sources_is_refused_in_one_line(tmp_path):
+    """The mixture, as shares, is part of the data identity a checkpoint keeps; 7:3 is 0.7:0.3."""
+    from dataclasses import replace
+
+    from errors import CheckpointError
+    from resume import check_same_run
+    from sources import parse_dataset
+
+    parts = Concatenation({"a": [0] * 10, "b": [0] * 5})
+    saved_cfg = TrainConfig(dataset=parse_dataset("x/a.jsonl:0.7,y/b.jsonl:0.3"))
+    geometry = {"global_batch": 16, "block_size": 128, "optimizer": "adamw"}
+    about = {"run": {**geometry, **data_identity(saved_cfg, parts)}, "step": 1}
+    same = replace(saved_cfg, dataset=parse_dataset("x/a.jsonl:7,y/b.jsonl:3"))
+    check_same_run(tmp_path, about, geometry, same, data_identity(same, parts))  # no error
+    for other in ("x/a.jsonl:0.5,y/b.jsonl:0.5", "x/a.jsonl:0.7,z/b.jsonl:0.3"):
+        cfg = replace(saved_cfg, dataset=parse_dataset(other))
+        with pytest.raises(CheckpointError) as error:
+            check_same_run(tmp_path, about, geometry, cfg, data_identity(cfg, parts))
+        message = str(error.value)
+        assert f"dataset 'x/a.jsonl:0.7,y/b.jsonl:0.3' -> '{other}'" in message, message
+        assert "--init_from" in message and "\n" not in message
