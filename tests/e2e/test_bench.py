@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, base_env, run
+from conftest import REPO, base_env, model_declares_blocks, run
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +48,9 @@ def test_quick_benchmark_reports_ratios_throughput_and_loader_wait(tmp_path, cor
     assert "x 2 processes" in result.stdout and result.stdout.count("device:") == 1
 
 
+@pytest.mark.skipif(
+    not model_declares_blocks(), reason="Muon takes the weight matrices of the blocks"
+)
 def test_the_optimizer_bench_reports_eval_losses_and_step_times(tmp_path, corpus):
     out = tmp_path / "optimizers.json"
     train_flags = ["--dataset", str(corpus), "--block_size", "32", "--max_steps", "6"]
