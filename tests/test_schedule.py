@@ -95,3 +95,13 @@ def test_muon_with_adamw_saves_and_loads_as_one_optimizer():
     )
     momentum = next(iter(restored.muon.state.values()))["momentum_buffer"]
     assert torch.equal(momentum, next(iter(optimizer.muon.state.values()))["momentum_buffer"])
+
+
+def test_set_lr_gives_lr_groups_the_schedule_exactly():
+    """AdamW's groups (with or without Muon beside them) take lr_at itself, never lr_at * lr / lr, which
+    differs in the last bit at 9 of the default job's 300 steps: the AdamW path stays as it was, bitwise."""
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    optimizer = build_optimizer(build_model(cfg), cfg)
+    for step in range(cfg.max_steps):
+        assert set_lr(optimizer, step, cfg) == lr_at(step, cfg)
+        assert all(group["lr"] == lr_at(step, cfg) for group in optimizer.param_groups)

@@ -112,6 +112,7 @@ def set_lr(optimizer, step: int, cfg: TrainConfig) -> float:
     the group's "peak_lr": muon_lr for Muon's, lr for the rest). Returns lr's value."""
     lr = lr_at(step, cfg)
     for group in optimizer.param_groups:
-        peak = getattr(cfg, group.get("peak_lr", "lr"))
-        group["lr"] = lr * peak / cfg.lr
+        peak_key = group.get("peak_lr", "lr")
+        # lr's own groups take lr itself: scaling it by lr / lr could move it by a rounding
+        group["lr"] = lr if peak_key == "lr" else lr * getattr(cfg, peak_key) / cfg.lr
     return lr
