@@ -14,6 +14,7 @@ the run folder (evals/step_N.json) and, when the run logged to W&B, to the same 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -61,8 +62,10 @@ def log_to_wandb(folder: Path, step: int, scores: dict) -> None:
 
     cfg = replace(cfg, output_dir=str(run))  # the folder may have moved since
     try:
+        # the project the training logged to: WANDB_PROJECT wins over the config's, as in tracking.py
+        project = os.environ.get("WANDB_PROJECT") or cfg.project
         wandb_run = wandb.init(
-            project=cfg.project, config=None, **wandb_init_kwargs(cfg, state["tracker_run_id"], 0)
+            project=project, **wandb_init_kwargs(cfg, state["tracker_run_id"], 0)
         )
         wandb_run.define_metric("trained_step")
         wandb_run.define_metric("lm_eval/*", step_metric="trained_step")
