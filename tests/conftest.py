@@ -260,8 +260,15 @@ def launch_torchrun(
     timeout: float = 240,
     launcher_args: list[str] = (),
 ) -> Run:
+    cmd = torchrun_cmd(args, nproc, script, launcher_args)
+    return launch(cmd, base_env(tmp_root, **(env_extra or {})), timeout, _output_dir_of(args))
+
+
+def torchrun_cmd(
+    args: list[str], nproc: int = 2, script: Path = TORCH_DDP, launcher_args: list[str] = ()
+) -> list[str]:
     launcher = list(launcher_args) or ["--standalone"]
-    cmd = [
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -271,7 +278,6 @@ def launch_torchrun(
         str(script),
         *map(str, args),
     ]
-    return launch(cmd, base_env(tmp_root, **(env_extra or {})), timeout, _output_dir_of(args))
 
 
 def run_python(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from multiprocessing import context as mp_context
 from pathlib import Path
 
 import torch
@@ -214,6 +216,92 @@ class StopSignals:
 
 
 stop_signals = StopSignals()
+
+
+# ---------------------------------------------------------------- DataLoader workers leave the stops to it
+
+# what every process of a job may be sent: its training processes handle them, their loader workers not
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def loader_worker_options(num_workers: int) -> dict:
+    """The DataLoader options that keep a stop signal from killing the loader workers.
+
+    A preemption signals every process of a worker's group, its DataLoader workers included: torch
+    elastic (accelerate launch, torchrun) passes SIGTERM to each worker's process group, SLURM
+    signals every process of the step, Ctrl-C the terminal's foreground group. A loader worker dies
+    of it (torch's SIGTERM handler in a worker dies on any sender but its parent), and the training
+    process then fails on "DataLoader worker is killed by signal" before it reaches the checkpoint
+    the signal asked for: everything since the last checkpoint is lost. So each worker starts with
+    the stop signals blocked (until its init below, whatever the start method) and leaves them to
+    the training process, which checkpoints, stops, and ends its workers itself."""
+    if not num_workers:
+        return {}  # no worker processes (and DataLoader refuses a context without them)
+    method = multiprocessing.get_start_method(allow_none=True)
+    method = method or multiprocessing.get_all_start_methods()[0]  # the default one
+    return {
+        "multiprocessing_context": _CONTEXTS[method](),
+        "worker_init_fn": loader_worker_leaves_stops_to_its_trainer,
+    }
+
+
+def loader_worker_leaves_stops_to_its_trainer(worker_id: int) -> None:
+    """A loader worker's `worker_init_fn`: ignore SIGINT and SIGUSR1, and take a SIGTERM from the
+    training process only (torch ends a worker that does not finish with one)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending one is dropped
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # Blocked, SIGTERM stays pending until the thread below takes it and reads who sent it (a
+    # Python handler is not told).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_end_on_sigterm_from_parent, name="sigterm-filter", daemon=True).start()
+
+
+def _end_on_sigterm_from_parent() -> None:
+    parent = os.getppid()
+    while True:
+        sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+        if sender == parent:
+            os._exit(0)  # as torch's handler does: the parent is shutting its workers down
+
+
+class _StartsWithStopsBlocked:
+    """A worker process starts with the stop signals blocked, which it inherits (fork, spawn) until
+    its init takes them over: one that comes while it starts (seconds, under spawn) waits for it.
+    They are held in this process only while it starts the worker, then delivered as usual."""
+
+    def start(self):
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+class _ForkProcess(_StartsWithStopsBlocked, mp_context.ForkProcess):
+    pass
+
+
+class _SpawnProcess(_StartsWithStopsBlocked, mp_context.SpawnProcess):
+    pass
+
+
+class _ForkServerProcess(_StartsWithStopsBlocked, mp_context.ForkServerProcess):
+    pass
+
+
+class _ForkContext(mp_context.ForkContext):
+    Process = _ForkProcess
+
+
+class _SpawnContext(mp_context.SpawnContext):
+    Process = _SpawnProcess
+
+
+class _ForkServerContext(mp_context.ForkServerContext):
+    Process = _ForkServerProcess
+
+
+_CONTEXTS = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
 
 
 # ---------------------------------------------------------------- how a job ends: one exit code, at most one line

@@ -33,7 +33,13 @@ from data import build_datasets, collate
 from errors import ConfigError, RunError
 from hangs import Watch
 from harness import evaluate_export
-from job import claim_run_folder, load_config_or_exit, run_or_exit, stop_signals
+from job import (
+    claim_run_folder,
+    load_config_or_exit,
+    loader_worker_options,
+    run_or_exit,
+    stop_signals,
+)
 from lm import (
     build_causal_lm,
     check_loss_contract,
@@ -330,6 +336,9 @@ def loader_options(cfg: TrainConfig) -> dict:
         # a loader draws its worker seeds from `generator`, not from the global RNG that dropout
         # uses
         "generator": torch.Generator().manual_seed(cfg.seed),
+        # a preemption's signal reaches the loader workers too: they leave it to this process,
+        # which checkpoints first
+        **loader_worker_options(cfg.num_workers),
     }
 
 

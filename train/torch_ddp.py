@@ -260,6 +260,8 @@ class ShardedLoader:
             num_workers=loader.num_workers,
             pin_memory=loader.pin_memory,
             generator=loader.generator,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
         )
 
     def set_epoch(self, epoch: int) -> None:

@@ -20,9 +20,11 @@ from conftest import (
     base_env,
     baseline_args,
     launch_accelerate,
+    launch_torchrun,
     read_metrics,
     run_python,
     tiny_args,
+    torchrun_cmd,
 )
 
 pytestmark = pytest.mark.slow
@@ -63,38 +65,67 @@ def test_keep_last_and_layout_of_the_baseline(baseline):
     }  # 2 ranks x 4, 2 micro-steps a step
 
 
-def test_sigterm_to_the_launcher_stops_in_bounded_time_and_resumes_exactly(
-    tmp_path, corpus, baseline
-):
-    run_dir = tmp_path / "run"
-    cmd = accelerate_cmd(baseline_args(run_dir, corpus))
-    launcher = subprocess.Popen(
+def launch_in_background(cmd: list[str], env: dict) -> subprocess.Popen:
+    """A launch in a session of its own, as a scheduler starts a job: its group is the job's to signal."""
+    return subprocess.Popen(
         cmd,
-        env=base_env(tmp_path),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         text=True,
         start_new_session=True,
     )
+
+
+def signal_at_step(job: subprocess.Popen, run_dir, step: int, signum: int) -> tuple[str, float]:
+    """Once `step` is logged, send `signum` to the job's process group; returns its output and how long it
+    took to end after the signal."""
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
             time.sleep(0.2)
-        while time.time() < deadline and len(read_metrics(run_dir)) < 3:
+        while time.time() < deadline and len(read_metrics(run_dir)) < step:
             time.sleep(0.05)
-        os.kill(launcher.pid, signal.SIGTERM)  # what SLURM or Kubernetes does to the job
+        os.killpg(job.pid, signum)
         signalled = time.time()
-        output, _ = launcher.communicate(timeout=60)
-        took = time.time() - signalled
+        output, _ = job.communicate(timeout=60)
+        return output, time.time() - signalled
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    # inside torchrun's 30 s before it SIGKILLs workers
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("launcher_name", ["accelerate", "torchrun"])
+def test_sigterm_to_the_launcher_with_loader_workers_checkpoints_and_resumes_exactly(
+    tmp_path, corpus, baseline, launcher_name
+):
+    """What SLURM or Kubernetes does to a job, on the setting GPU jobs use (DataLoader workers): SIGTERM to
+    the launcher's process group. Torch elastic passes it on to each worker's process group, loader workers
+    included; they leave it to their training process, which checkpoints at the next logging step and exits
+    75. accelerate launch runs main.py, torchrun the torch path; each resumes bitwise."""
+    run_dir = tmp_path / "run"
+    args = baseline_args(run_dir, corpus, num_workers=2)
+    env = base_env(tmp_path, RECORD_EXIT=tmp_path / "exits")
+    if launcher_name == "accelerate":
+        cmd = accelerate_cmd(args, script=FAULTY_MAIN)
+    else:
+        cmd = torchrun_cmd(args, script=FAULTY_MAIN)
+        env["FAULTY_ENTRY"] = "torch_ddp"
+    output, took = signal_at_step(launch_in_background(cmd, env), run_dir, 5, signal.SIGTERM)
+    # inside torch elastic's 30 s before it SIGKILLs workers
     assert took < 25, f"took {took:.1f}s to stop"
+    assert "DataLoader worker" not in output and "[rank" not in output, output[-3000:]
+    exits = {p.name: json.loads(p.read_text()) for p in (tmp_path / "exits").iterdir()}
+    assert exits == {"rank0.json": 75, "rank1.json": 75}, output[-3000:]
     marker = json.loads((run_dir / "preempted.json").read_text())
-    assert marker["step"] < 24, output[-2000:]
+    assert 5 <= marker["step"] < 24, output[-2000:]
     assert (run_dir / "checkpoints" / f"step_{marker['step']:08d}" / "manifest.json").exists()
-    resumed = resume(run_dir, corpus, tmp_path)
+    resume_args = [*args, "--resume", "latest"]
+    if launcher_name == "accelerate":
+        resumed = launch_accelerate(resume_args, tmp_path).check()
+    else:
+        resumed = launch_torchrun(resume_args, tmp_path).check()
     assert f"(step {marker['step']})" in resumed.output
     assert not (run_dir / "preempted.json").exists()  # the requeued run clears the marker
     launches = json.loads((run_dir / "run_info.json").read_text())["launches"]

@@ -28,6 +28,8 @@ Environment variables, each optional, read once at start-up:
                           next collective
     FAULT_SLOW_DATA_S=s   every batch comes s seconds late on this rank (a straggler)
     RECORD_SAMPLES=dir    each rank writes the train sample indices (streaming: block ids) it drew to dir/rank{r}.json
+    RECORD_EXIT=dir       each rank writes the code it exits with to dir/rank{r}.json (a launcher stopped
+                          by a signal reports none)
 """
 
 import json
@@ -344,9 +346,16 @@ if __name__ == "__main__":
         delay_batches(float(os.environ["FAULT_SLOW_DATA_S"]))
     if "RECORD_SAMPLES" in os.environ:
         record_samples(os.environ["RECORD_SAMPLES"])
+    entry = main.main
     if os.environ.get("FAULTY_ENTRY") == "torch_ddp":
         import torch_ddp
 
-        torch_ddp.main()
-    else:
-        main.main()
+        entry = torch_ddp.main
+    try:
+        entry()
+    except SystemExit as stop:  # every way the entry points end but a kill
+        if "RECORD_EXIT" in os.environ:
+            folder = Path(os.environ["RECORD_EXIT"])
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank{RANK}.json").write_text(json.dumps(stop.code))
+        raise
