@@ -2,9 +2,9 @@
 
 Launchers and schedulers signal whole process groups or job steps, loader workers included; the
 training process must live on to checkpoint, so its workers must too. These run real DataLoaders with
-worker processes, under both start methods: `fork` (Linux's default before Python 3.14), where a
-worker starts with torch's SIGTERM handler, and `spawn` (like 3.14's `forkserver`), where it starts
-with Python's defaults.
+worker processes under each start method: `fork` (Linux's default before Python 3.14), where a worker
+starts with torch's SIGTERM handler and its parent is the training process; `spawn`, where it starts
+with Python's defaults; and `forkserver` (3.14's default), where its parent is the fork server.
 """
 
 import os
@@ -41,7 +41,7 @@ def send_from_another_process(signum: int, pids: list[int]) -> None:
     subprocess.run(["kill", f"-{signum}", *map(str, pids)], check=True)
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
 def test_loader_workers_outlive_stop_signals_and_every_batch_still_comes(start_method, monkeypatch):
     batches = iter(loader(start_method, monkeypatch))
     first = next(batches)
@@ -55,13 +55,16 @@ def test_loader_workers_outlive_stop_signals_and_every_batch_still_comes(start_m
     assert torch.cat([first, *batches]).tolist() == list(range(64))
 
 
-def test_a_loader_worker_still_ends_on_its_own_process_sigterm(monkeypatch):
-    """torch ends a worker that does not finish with SIGTERM from the training process (at shutdown, and
-    multiprocessing at exit): that one still ends it, at once."""
-    batches = iter(loader("fork", monkeypatch))
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_loader_worker_still_ends_on_its_own_process_sigterm(start_method, monkeypatch):
+    """torch ends a worker that does not finish with SIGTERM from the training process (at shutdown), and
+    so does multiprocessing at the training process's exit: that one still ends it, at once. Under
+    forkserver the worker's parent is the fork server, not the training process (a worker that took
+    SIGTERM from its parent only would hang the training process's exit)."""
+    batches = iter(loader(start_method, monkeypatch))
     next(batches)
     worker = batches._workers[0]
-    os.kill(worker.pid, signal.SIGTERM)  # from this process: the worker's parent
+    os.kill(worker.pid, signal.SIGTERM)  # from the training process
     worker.join(timeout=5)
     assert worker.exitcode == 0, "a loader worker did not end on its own process's SIGTERM"
     batches._shutdown_workers()

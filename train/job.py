@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import json
 import multiprocessing
 import os
@@ -239,29 +240,33 @@ def loader_worker_options(num_workers: int) -> dict:
         return {}  # no worker processes (and DataLoader refuses a context without them)
     method = multiprocessing.get_start_method(allow_none=True)
     method = method or multiprocessing.get_all_start_methods()[0]  # the default one
+    # this process: a worker's parent under fork and spawn, not under forkserver
+    trainer = os.getpid()
     return {
         "multiprocessing_context": _CONTEXTS[method](),
-        "worker_init_fn": loader_worker_leaves_stops_to_its_trainer,
+        "worker_init_fn": functools.partial(loader_worker_leaves_stops_to_its_trainer, trainer),
     }
 
 
-def loader_worker_leaves_stops_to_its_trainer(worker_id: int) -> None:
+def loader_worker_leaves_stops_to_its_trainer(trainer: int, worker_id: int) -> None:
     """A loader worker's `worker_init_fn`: ignore SIGINT and SIGUSR1, and take a SIGTERM from the
-    training process only (torch ends a worker that does not finish with one)."""
+    training process only (torch ends a worker that does not finish with one, and so does
+    multiprocessing at the training process's exit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending one is dropped
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # Blocked, SIGTERM stays pending until the thread below takes it and reads who sent it (a
     # Python handler is not told).
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(target=_end_on_sigterm_from_parent, name="sigterm-filter", daemon=True).start()
+    threading.Thread(
+        target=_end_on_sigterm_from, args=(trainer,), name="sigterm-filter", daemon=True
+    ).start()
 
 
-def _end_on_sigterm_from_parent() -> None:
-    parent = os.getppid()
+def _end_on_sigterm_from(trainer: int) -> None:
     while True:
         sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
-        if sender == parent:
-            os._exit(0)  # as torch's handler does: the parent is shutting its workers down
+        if sender == trainer:
+            os._exit(0)  # as torch's handler does: the trainer is shutting its workers down
 
 
 class _StartsWithStopsBlocked:
