@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from checkpoint import save_safetensors  # noqa: E402
 from config import saved_config  # noqa: E402
-from lm import build_causal_lm  # noqa: E402
 from model import build_model  # noqa: E402
 
 
@@ -34,7 +33,7 @@ def consolidate(checkpoint: Path, out: Path) -> None:
     cfg = saved_config(checkpoint / "config.yaml")
     # a Hugging Face model: its architecture; the shards hold the weights
     cfg = replace(cfg, model_weights="config")
-    model = build_causal_lm(cfg, build_model)
+    model = build_model(cfg)
     state = {
         "model": model.state_dict()
     }  # the keys the shards were saved under; read into the model in place

@@ -74,14 +74,14 @@ def test_a_hugging_face_model_from_a_folder_pretrained_or_fresh(corpus, bpe_toke
         "--tokenizer",
         str(bpe_tokenizer),
     ]
-    pretrained = lm.build_causal_lm(load_config(args), build_model)
+    pretrained = build_model(load_config(args))
     saved = pretrained.state_dict()
     assert (
         type(pretrained).__name__ == "LlamaForCausalLM"
         and saved["model.embed_tokens.weight"].dtype == torch.float32
     )
     torch.manual_seed(1)
-    fresh = lm.build_causal_lm(load_config([*args, "--model_weights", "config"]), build_model)
+    fresh = build_model(load_config([*args, "--model_weights", "config"]))
     assert not torch.equal(
         fresh.state_dict()["model.embed_tokens.weight"], saved["model.embed_tokens.weight"]
     )
@@ -161,7 +161,7 @@ def write_run_folder(folder, cfg):
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text(yaml.safe_dump(asdict(cfg)))
     torch.manual_seed(0)
-    save_safetensors(lm.build_causal_lm(cfg, build_model), folder / "model.safetensors")
+    save_safetensors(build_model(cfg), folder / "model.safetensors")
     return folder
 
 

@@ -1,5 +1,5 @@
-"""What the template assumes of any causal LM (train/lm.py), tested without the shipped GPT: the evaluation
-columns, block finding, and the loss contract a fork's model is held to."""
+"""The causal LM task (train/lm.py), tested without the shipped GPT: its evaluation columns and metrics,
+block finding, and the start-up check (task.py) holding an LM whose loss forgets the shift."""
 
 from types import SimpleNamespace
 
@@ -7,13 +7,8 @@ import pytest
 import torch
 
 from errors import ConfigError
-from lm import (
-    causal_lm_loss,
-    check_loss_contract,
-    checkpoint_activations,
-    eval_columns,
-    eval_metrics,
-)
+from lm import causal_lm_loss, checkpoint_activations, eval_columns, eval_metrics, token_columns
+from task import check_loss_contract
 
 
 def test_a_model_without_named_blocks_cannot_be_checkpointed_or_sharded_and_says_why():
@@ -26,8 +21,8 @@ def test_eval_columns_are_exact_in_any_chunking_and_ignore_masked_labels():
     logits = torch.randn(3, 9, 50, dtype=torch.bfloat16)
     labels = torch.randint(0, 50, (3, 9))
     labels[1, 5:] = -100  # a padded sample: its last positions do not count
-    whole = eval_columns(logits, labels)
-    one_position_at_a_time = eval_columns(logits, labels, max_floats=1)
+    whole = eval_columns(SimpleNamespace(logits=logits), {"labels": labels})
+    one_position_at_a_time = token_columns(logits, labels, max_floats=1)
     assert whole.keys() == one_position_at_a_time.keys() == {"tokens", "loss", "accuracy"}
     for name in whole:
         assert torch.allclose(whole[name], one_position_at_a_time[name], rtol=1e-12), name
@@ -41,12 +36,8 @@ def test_eval_columns_are_exact_in_any_chunking_and_ignore_masked_labels():
 
 def test_every_column_but_tokens_is_reported_per_token():
     metrics = eval_metrics({"tokens": 10.0, "loss": 23.0, "accuracy": 4.0, "top5": 7.0})
-    assert (
-        metrics["eval_loss"] == 2.3
-        and metrics["eval_accuracy"] == 0.4
-        and metrics["eval_top5"] == 0.7
-    )
-    assert metrics["eval_perplexity"] == pytest.approx(2.718281828**2.3)
+    assert metrics["loss"] == 2.3 and metrics["accuracy"] == 0.4 and metrics["top5"] == 0.7
+    assert metrics["perplexity"] == pytest.approx(2.718281828**2.3)
 
 
 def test_a_loss_without_the_next_token_shift_is_refused_in_one_line():
@@ -65,10 +56,14 @@ def test_a_loss_without_the_next_token_shift_is_refused_in_one_line():
         model = torch.nn.Module()
         model.forward = forward
         if not refused:
-            check_loss_contract(model, {"input_ids": ids, "labels": ids})
+            check_loss_contract(
+                model, {"input_ids": ids, "labels": ids}, eval_columns, eval_metrics
+            )
             continue
         with pytest.raises(
-            ConfigError, match=r"is not the next-token cross-entropy of its .logits"
+            ConfigError, match=r"is not the loss its eval_columns and eval_metrics report"
         ) as error:
-            check_loss_contract(model, {"input_ids": ids, "labels": ids})
+            check_loss_contract(
+                model, {"input_ids": ids, "labels": ids}, eval_columns, eval_metrics
+            )
         assert "\n" not in str(error.value)

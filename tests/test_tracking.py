@@ -66,7 +66,7 @@ def test_peak_table(name, flops):
 def test_no_mfu_or_gpu_memory_on_cpu_but_the_peak_resident_memory():
     meter = Throughput(
         samples_per_step=8,
-        tokens_per_step=512,
+        tokens_per_sample=64,
         flops_per_token=1e6,
         num_processes=2,
         mixed_precision="bf16",

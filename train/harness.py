@@ -27,7 +27,7 @@ from checkpoint import check_weights, latest_checkpoint
 from config import saved_config
 from errors import ConfigError
 from hangs import patiently
-from lm import build_causal_lm, load_tokenizer
+from lm import load_tokenizer
 from plumbing import collectively
 
 INSTALL = "pip install -r requirements-eval.txt"
@@ -85,7 +85,7 @@ def load_trained(folder: Path, build_model):
     cfg = saved_config(folder / "config.yaml")
     # the architecture only: the folder's weights replace the first
     cfg = replace(cfg, model_weights="config")
-    model = build_causal_lm(cfg, build_model)
+    model = build_model(cfg)
     check_weights(weights, model)  # another shape: one line naming what differs
     load_model(model, str(weights))
     return cfg, model.eval(), load_tokenizer(cfg.tokenizer_name)

@@ -34,6 +34,7 @@ from harness import check_tasks
 from lm import check_dataset_name, check_model_and_tokenizer
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
+from task import check_fork_files
 from tracking import write_preempted_marker
 
 LAUNCHER_CHECK_S = 1.0  # how often a worker checks that its launcher is alive
@@ -324,6 +325,7 @@ def load_config_or_exit(argv) -> TrainConfig:
 def load_checked_config(argv) -> TrainConfig:
     """load_config's types and ranges, then what needs a file or the hub."""
     cfg = load_config(argv)
+    check_fork_files(cfg.streaming)  # model.py and data.py define what the template uses
     check_sources(cfg)  # --resume, --init_from
     # each source of a mixture, or the one dataset
     for path in [source.path for source in cfg.mixture] or [cfg.dataset]:

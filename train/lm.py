@@ -1,13 +1,14 @@
-"""What the template assumes of a causal language model, whatever model.py and data.py hold.
+"""The causal language model task: what the shipped model.py and data.py (and a fork's LM) use.
 
-The loop's contract with the model is Hugging Face's: `model(**batch)` returns an object with `.loss` (the mean
-next-token loss it trains on) and `.logits` (batch, time, vocab). Around that contract this module keeps:
-    - the next-token loss (`causal_lm_loss`), which the shipped GPT uses and `check_loss_contract` holds a
-      fork's model to, and the per-sample evaluation columns the eval loop sums (`eval_columns`);
+A causal LM's `model(**batch)` returns an object with `.loss` (the mean next-token loss it trains
+on) and `.logits` (batch, time, vocab), as Hugging Face's models do. Around that, this module keeps
+the LM's answers to what the template asks of a task (task.py):
+    - the next-token loss (`causal_lm_loss`), the per-sample evaluation columns (`eval_columns`,
+      per token) and the metrics from their sums (`eval_metrics`: loss, accuracy, perplexity);
+    - what a sample is worth: `tokens_per_sample` (a packed block), FLOPs per token for MFU;
     - finding the transformer blocks (`_no_split_modules`) for FSDP and activation checkpointing;
-    - FLOPs per token for MFU;
-    - tokenizers (`--tokenizer`: bytes, or a Hugging Face name or folder) and the Hugging Face switch
-      (`--model NAME`): a hub model replaces model.py's `build_model`, so a fork that rewrote model.py keeps it.
+    - tokenizers (`--tokenizer`: bytes, or a Hugging Face name or folder) and Hugging Face causal
+      LMs (`--model NAME`, which the shipped model.py's build_model builds instead of its GPT).
 Nothing here imports model.py or data.py: they import from here.
 """
 
@@ -47,16 +48,19 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return per_token.sum(dim=1) / counted
 
 
-@torch.no_grad()
-def eval_columns(logits: torch.Tensor, labels: torch.Tensor, max_floats: int = 2**26) -> dict:
-    """Per-sample sums over next-token predictions, each a float64 tensor of shape (batch,), by
-    name.
+def eval_columns(output, batch: dict) -> dict:
+    """The causal LM's evaluation (model.py's `eval_columns`): per-sample sums over its next-token
+    predictions, `tokens`, `loss` and `accuracy`, each a float64 tensor of shape (batch,)."""
+    return token_columns(output.logits, batch["labels"])
 
-    The eval loop sums every column over the whole eval set (exactly, under sharding) and reports
-    `eval_<name>` = sum of <name> / sum of `tokens` for each column but `tokens`, plus the
-    perplexity. A new metric is one more column here: e.g. `"top5": (chunk.topk(5).indices ==
-    wanted[..., None]).any(-1)`. Upcasts at most `max_floats` logits to fp32 at once (256 MiB): at a
-    150k vocabulary, a batch's fp32 logits would be gigabytes."""
+
+@torch.no_grad()
+def token_columns(logits: torch.Tensor, labels: torch.Tensor, max_floats: int = 2**26) -> dict:
+    """Per-sample sums over next-token predictions, each a float64 tensor of shape (batch,), by
+    name. A new metric is one more column here: e.g. `"top5": (chunk.topk(5).indices ==
+    wanted[..., None]).any(-1)`, reported by eval_metrics as top5 per token. Upcasts at most
+    `max_floats` logits to fp32 at once (256 MiB): at a 150k vocabulary, a batch's fp32 logits would
+    be gigabytes."""
     predictions = logits[:, :-1]  # views: nothing is copied yet
     targets = labels[:, 1:]
     columns = {"tokens": [], "loss": [], "accuracy": []}
@@ -72,34 +76,19 @@ def eval_columns(logits: torch.Tensor, labels: torch.Tensor, max_floats: int = 2
     return {name: torch.cat(parts, dim=1).double().sum(dim=1) for name, parts in columns.items()}
 
 
-def eval_metrics(totals: dict[str, float]) -> dict[str, float]:
-    """The reported values from the eval set's column sums (eval_columns)."""
-    tokens = max(totals["tokens"], 1.0)
-    metrics = {f"eval_{name}": total / tokens for name, total in totals.items() if name != "tokens"}
+def eval_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The causal LM's reported values (model.py's `eval_metrics`) from the eval set's column sums:
+    every column per token, and the perplexity."""
+    tokens = max(sums["tokens"], 1.0)
+    metrics = {name: total / tokens for name, total in sums.items() if name != "tokens"}
     # capped: a diverged run stays finite
-    metrics["eval_perplexity"] = math.exp(min(metrics["eval_loss"], 50))
+    metrics["perplexity"] = math.exp(min(metrics["loss"], 50))
     return metrics
 
 
-@torch.no_grad()
-def check_loss_contract(model: nn.Module, batch: dict) -> None:
-    """Training minimises the model's .loss, evaluation recomputes it per sample from .logits (exact
-    under sharding): a model whose loss differs (no next-token shift) would train on one number and
-    report another."""
-    model.eval()
-    output = model(**batch)
-    model.train()
-    expected = causal_lm_loss(output.logits, batch["labels"]).mean()
-    if output.loss is not None and torch.allclose(
-        output.loss.float(), expected, rtol=1e-3, atol=1e-4
-    ):
-        return
-    got = "None" if output.loss is None else f"{output.loss.item():.4f}"
-    raise ConfigError(
-        f"model: its .loss ({got}) is not the next-token cross-entropy of its .logits "
-        f"({expected.item():.4f}) that evaluation reports: shift the labels by one in the model's loss "
-        f"(lm.causal_lm_loss does), or change lm.eval_columns to match"
-    )
+def tokens_per_sample(cfg) -> int:
+    """What one training sample is worth in tokens (model.py's `tokens_per_sample`): a packed block."""
+    return cfg.block_size
 
 
 # ---------------------------------------------------------------- blocks and FLOPs
@@ -185,14 +174,6 @@ def vocab_size(cfg) -> int:
 
 def uses_hub_model(cfg) -> bool:
     return cfg.model != LOCAL_MODEL
-
-
-def build_causal_lm(cfg, build_model) -> nn.Module:
-    """The model to train: the Hugging Face model --model names, or else `build_model(cfg)`
-    (model.py's)."""
-    if uses_hub_model(cfg):
-        return hugging_face_model(cfg)
-    return build_model(cfg)
 
 
 def hugging_face_model(cfg) -> nn.Module:

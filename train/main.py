@@ -24,12 +24,14 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
+# THE FORK'S: the model, its evaluation and what a sample is worth (task.py lists what is used)
+import model as task
 from batches import TrainBatches, data_identity, data_order, fast_reader
 from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model, latest_checkpoint
 from compiling import compile_model, compile_wanted
 from compiling import report as compile_report
 from config import MUON_UNDER_FSDP, TrainConfig
-from data import build_datasets, collate
+from data import build_datasets, collate  # THE FORK'S, with model.py
 from errors import ConfigError, RunError
 from hangs import Watch
 from harness import evaluate_export
@@ -40,23 +42,15 @@ from job import (
     run_or_exit,
     stop_signals,
 )
-from lm import (
-    build_causal_lm,
-    check_loss_contract,
-    checkpoint_activations,
-    eval_columns,
-    eval_metrics,
-    flops_per_token,
-    save_tokenizer,
-)
+from lm import checkpoint_activations, flops_per_token, save_tokenizer
 from mixture import build_data
-from model import build_model
 from optim import build_optimizer, set_lr
 from plumbing import Plumbing, check_world_size, init_process_group
 from provenance import environment_info
 from resume import resume_or_start
 from saving import Checkpointer
 from streaming import stream_batches
+from task import check_loss_contract, tokens_per_sample
 from tracking import MetricsLogger, Throughput, new_run_id
 
 
@@ -164,7 +158,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     # one eval set per source of a mixture: each source's loss, and the loss over all of them
     eval_loaders = [DataLoader(fast_reader(s), **loader_options(cfg)) for s in eval_sets.values()]
     # ---------------------------------------------------------------- model and optimizer
-    model = build_causal_lm(cfg, build_model)  # model.py's, or the Hugging Face model --model names
+    model = task.build_model(cfg)
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
     optimizer = build_optimizer(model, cfg)
@@ -182,8 +176,10 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         batches = stream_batches(train_set, cfg, accelerator)
     else:
         batches = TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
-    # .loss is what eval reports
-    check_loss_contract(model, first_eval_batch(eval_sets, accelerator.device))
+    # the model's .loss, eval_columns and eval_metrics agree on an eval batch (one line if not)
+    check_loss_contract(
+        model, first_eval_batch(eval_sets, accelerator.device), task.eval_columns, task.eval_metrics
+    )
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     if compile_wanted(cfg.compile):
         compile_model(plain_model, cfg.output_dir)  # block by block, in place (compiling.py)
@@ -203,10 +199,9 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     state.tracker_run_id = state.tracker_run_id or new_run_id()
     log.start(cfg, state.step, run_info(cfg, accelerator, plain_model, train_set, eval_sets))
     log.start_trackers(state.tracker_run_id, state.step)
-    tokens_per_step = global_batch * cfg.block_size
     throughput = Throughput(
         global_batch,
-        tokens_per_step,
+        tokens_per_sample(cfg),  # None: the task counts samples only (images)
         flops_per_token(plain_model),
         accelerator.num_processes,
         accelerator.mixed_precision,
@@ -259,7 +254,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
                     "lr": lr,
                     "grad_norm": grad_norm,
                     "epoch": batches.epoch,
-                    "tokens_seen": state.step * tokens_per_step,
+                    **throughput.seen(state.step),  # samples (and tokens) since step 0
                     **throughput.report(),
                     **compile_report(),  # graphs compiled, and found in the kept cache
                     **watch.stragglers(),  # collective: the slowest rank against the median
@@ -292,7 +287,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     )
     log.info(f"model: {path}")
     if cfg.eval_tasks:  # lm-evaluation-harness on the export, by the main process (harness.py)
-        log.log(state.step, evaluate_export(accelerator, cfg, build_model))
+        log.log(state.step, evaluate_export(accelerator, cfg, task.build_model))
     # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
     log.close()
     return 0
@@ -303,13 +298,13 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
 
 @torch.no_grad()
 def evaluate(model, eval_loaders: dict, accelerator) -> dict:
-    """The eval metrics over exactly the eval set (lm.eval_metrics), computed on every rank. A
+    """model.py's eval metrics over exactly the eval set, as eval_<metric>, computed on every rank. A
     mixture's: over all its sources' eval sets together, and each source's as eval_<metric>/<name>."""
     model.eval()
     sums = {}  # (source, column): the column's sum over the source's eval set
     for source, eval_loader in eval_loaders.items():
         for batch in eval_loader:
-            columns = eval_columns(model(**batch).logits, batch["labels"])
+            columns = task.eval_columns(model(**batch), batch)  # model.py's: per sample
             # the sampler pads the last batches so every rank has as many; gather_for_metrics drops
             # the copies
             for name, values in accelerator.gather_for_metrics(columns).items():
@@ -319,11 +314,11 @@ def evaluate(model, eval_loaders: dict, accelerator) -> dict:
     totals = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))
     names = dict.fromkeys(name for _, name in totals)
     overall = {name: sum(v for (_, n), v in totals.items() if n == name) for name in names}
-    metrics = eval_metrics(overall)
+    metrics = {f"eval_{key}": value for key, value in task.eval_metrics(overall).items()}
     for source in eval_loaders:
         if source:  # a mixture's source
             own = {name: value for (s, name), value in totals.items() if s == source}
-            metrics.update({f"{key}/{source}": value for key, value in eval_metrics(own).items()})
+            metrics.update({f"eval_{k}/{source}": v for k, v in task.eval_metrics(own).items()})
     return metrics
 
 
@@ -359,7 +354,7 @@ def run_info(cfg: TrainConfig, accelerator, plain_model, train_set, eval_sets) -
         "processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "global_batch_size": global_batch,
-        "tokens_per_step": global_batch * cfg.block_size,
+        "tokens_per_sample": tokens_per_sample(cfg),
         "train_samples": "streamed" if cfg.streaming else len(train_set),
         "eval_samples": sum(len(eval_set) for eval_set in eval_sets.values()),
         "parameters": sum(p.numel() for p in plain_model.parameters()),

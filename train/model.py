@@ -1,19 +1,23 @@
-"""The model. THIS FILE IS YOURS: replace it whole with your own (README "Make it yours").
+"""The model and its task. THIS FILE IS YOURS: replace it whole with your own (README "Make it yours";
+examples/ holds an image classifier's and a text classifier's).
 
-What the rest of train/ uses of it, and nothing else:
+What the rest of train/ uses of it, and nothing else (task.py checks it at start-up):
     build_model(cfg) -> torch.nn.Module, whose forward takes the batch `collate` (data.py) makes as keyword
-        arguments and returns an object with
-            .loss    the mean next-token loss it trains on (lm.causal_lm_loss of its logits: the loop checks at
-                     start-up that the two agree, since evaluation recomputes it per sample from .logits)
-            .logits  (batch, time, vocab)
-        A transformers AutoModelForCausalLM fits this as it is (and --model NAME uses one instead of this file).
-    _no_split_modules (a class attribute): the names of the classes of its repeated blocks, as Hugging Face
-        models declare them. Needed only for FSDP (one shard unit per block) and activation_checkpointing
-        (recomputed block by block); a model without it trains everywhere else.
-    flops_per_token() (optional): training FLOPs per token, for MFU; else 6 x parameters.
-The vocabulary comes from the tokenizer the data uses (lm.vocab_size: bytes, or --tokenizer).
+        arguments and returns an object with .loss, the scalar it trains on.
+    eval_columns(output, batch) -> {name: tensor of shape (batch,)}: per-sample values, summed by the template
+        over exactly the eval set (under sharding too).
+    eval_metrics(sums) -> {name: float}: the reported metrics (logged as eval_<name>) from those sums.
+        Where one of them is "loss", it is checked at start-up against the model's .loss on an eval batch.
+    tokens_per_sample(cfg) (optional): a sample's tokens, for tokens/s, tokens_seen and MFU.
+    _no_split_modules (a class attribute of the model): the names of the classes of its repeated blocks, as
+        Hugging Face models declare them. Needed only for FSDP (one shard unit per block) and
+        activation_checkpointing (recomputed block by block); a model without it trains everywhere else.
+    flops_per_token() (an optional method of the model): training FLOPs per token, for MFU; else 6 x parameters.
 
-This one is a small GPT-style decoder in plain torch (nanoGPT's, trimmed).
+This one is a causal language model: a small GPT-style decoder in plain torch (nanoGPT's, trimmed), or
+with --model NAME a Hugging Face causal LM (a transformers AutoModelForCausalLM fits the contract as it is).
+Its evaluation, throughput and tokenizer are lm.py's (per token: loss, accuracy, perplexity). The vocabulary
+comes from the tokenizer the data uses (lm.vocab_size: bytes, or --tokenizer).
 """
 
 from __future__ import annotations
@@ -25,11 +29,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lm import causal_lm_loss, vocab_size
+# the causal LM's evaluation and throughput (task.py's contract): per token
+from lm import (  # noqa: F401 - the template takes them from here
+    causal_lm_loss,
+    eval_columns,
+    eval_metrics,
+    hugging_face_model,
+    tokens_per_sample,
+    uses_hub_model,
+    vocab_size,
+)
 
 
 def build_model(cfg) -> nn.Module:
-    """The GPT sized by the config (n_layer, n_head, n_embd, block_size, dropout, bias)."""
+    """The Hugging Face causal LM --model names, or else the GPT sized by the config (n_layer,
+    n_head, n_embd, block_size, dropout, bias)."""
+    if uses_hub_model(cfg):
+        return hugging_face_model(cfg)
     return GPT(
         vocab_size=vocab_size(cfg),
         block_size=cfg.block_size,

@@ -140,7 +140,7 @@ class MetricsLogger:
         self.info(
             " | ".join(
                 [f"step {step}/{self.cfg.max_steps}"]
-                + [_fmt(k, v) for k, v in row.items() if k != "step"]
+                + [_fmt(k, v) for k, v in watched(row).items() if k != "step"]
             )
         )
 
@@ -230,26 +230,53 @@ def finish_trackers(plumbing) -> None:
     plumbing.trackers.clear()
 
 
+# what a person watches of a training row on the console (metrics.jsonl and the trackers keep every
+# field): the loss, the lr, the task's rate (tokens/s where it counts tokens, else samples/s), MFU
+WATCHED = ("loss", "lr", "tokens_per_s", "mfu")
+WATCHED_WITHOUT_TOKENS = ("loss", "lr", "samples_per_s")
+
+
+def watched(row: dict) -> dict:
+    """A training row's watched fields, and anything it says that is not routine (a straggler, a
+    compile); any other row (evaluation, a stop) whole."""
+    if "grad_norm" not in row:
+        return row
+    fields = WATCHED if "tokens_per_s" in row else WATCHED_WITHOUT_TOKENS
+    routine = {"grad_norm", "epoch", "samples_seen", "tokens_seen", "samples_per_s", "step_time_s"}
+    routine |= {"peak_rss_gib", "peak_mem_gib", "tokens_per_s", "mfu"}
+    routine |= {"slowest_rank", "slowest_rank_s", "median_rank_s"}  # straggler_rank is said
+    said = {k: v for k, v in row.items() if k in fields}
+    said.update({k: v for k, v in row.items() if k not in routine and k not in said})
+    return said
+
+
 class Throughput:
-    """Tokens/s, samples/s, step time, peak memory, and (on GPUs) MFU, since the last report or
-    restart."""
+    """Samples/s, step time, peak memory, and where the task counts tokens (model.py's
+    tokens_per_sample) tokens/s and, on GPUs, MFU; since the last report or restart."""
 
     def __init__(
         self,
         samples_per_step: int,
-        tokens_per_step: int,
+        tokens_per_sample: int | None,
         flops_per_token: float,
         num_processes: int,
         mixed_precision: str,
     ):
         self.samples_per_step = samples_per_step
-        self.tokens_per_step = tokens_per_step
+        self.tokens_per_step = samples_per_step * tokens_per_sample if tokens_per_sample else None
         self.on_gpu = torch.cuda.is_available()
         peak = peak_flops_per_gpu(torch.cuda.get_device_name()) if self.on_gpu else None
         # MFU is against the bf16 tensor-core peak, so only quoted for bf16/fp16 runs; none on CPU
         self.peak_flops = peak * num_processes if peak and mixed_precision != "no" else None
         self.flops_per_token = flops_per_token
         self.restart()
+
+    def seen(self, step: int) -> dict:
+        """What the run has trained on by `step`: samples, and tokens where the task counts them."""
+        seen = {"samples_seen": step * self.samples_per_step}
+        if self.tokens_per_step:
+            seen["tokens_seen"] = step * self.tokens_per_step
+        return seen
 
     def restart(self) -> None:  # after eval and checkpoints, which are not training time
         self.start = time.perf_counter()
@@ -261,11 +288,12 @@ class Throughput:
     def report(self) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         rates = {
-            "tokens_per_s": self.steps * self.tokens_per_step / elapsed,
             "samples_per_s": self.steps * self.samples_per_step / elapsed,
             "step_time_s": elapsed / max(self.steps, 1),
         }
-        if self.peak_flops:
+        if self.tokens_per_step:
+            rates["tokens_per_s"] = self.steps * self.tokens_per_step / elapsed
+        if self.peak_flops and self.tokens_per_step:
             rates["mfu"] = rates["tokens_per_s"] * self.flops_per_token / self.peak_flops
         # this process's (rank 0's, in metrics.jsonl): what DDP replicates and FSDP shards
         if self.on_gpu:
