@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from errors import ConfigError, first_line
-from lm import DATA_FILE_SUFFIXES, load_tokenizer, unreadable_data
+from lm import DATA_FILE_SUFFIXES, packing_tokenizer, unreadable_data
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the repo's data/ folder
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -83,7 +83,7 @@ def packer(cfg):
         pack,
         text_column=cfg.text_column,
         block_size=cfg.block_size,
-        tokenizer=load_tokenizer(cfg.tokenizer_name),
+        tokenizer=packing_tokenizer(cfg.tokenizer_name),
     )
 
 

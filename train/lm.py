@@ -154,7 +154,14 @@ def load_tokenizer(name: str):
         tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as e:  # offline, a wrong name or folder: all the same to the user
         raise ConfigError(f"tokenizer '{name}' could not be loaded: {first_line(e)}") from None
-    if tokenizer.eos_token_id is None:
+    return tokenizer
+
+
+def packing_tokenizer(name: str):
+    """load_tokenizer's, for packing documents into blocks: it must have an EOS token to end each
+    document with (a classifier's tokenizer need not)."""
+    tokenizer = load_tokenizer(name)
+    if tokenizer is not None and tokenizer.eos_token_id is None:
         raise ConfigError(
             f"tokenizer '{name}' has no EOS token to end documents with: set its eos_token"
         )

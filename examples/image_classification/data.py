@@ -1,0 +1,103 @@
+"""The data of an image classifier: a folder of images kept the way people keep them, one subfolder per
+class, or a Hugging Face image dataset by name. Copy this file over train/data.py, and its model.py over
+train/model.py (examples/README.md).
+
+    photos/                      --dataset photos        (or a hub dataset: --dataset uoft-cs/cifar10)
+        cat/0001.jpg ...         the class names are the subfolders', sorted
+        dog/0001.png ...
+    photos/train/cat/..., photos/validation/cat/...      with split folders: validation (or test) is the
+                                                         eval set; without: eval_fraction of the images
+
+Images are read through `datasets`' image folder loader (any format Pillow reads), decoded when a batch is
+read (in the DataLoader workers with --num_workers), converted to RGB, resized to IMAGE_SIZE and
+normalised. No random augmentation: a sample is a function of its index, so a resume continues bitwise
+(add one seeded by the index if you need it). The image files' content is the data's identity
+(batches.data_identity): a resume on changed images is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from errors import ConfigError, first_line
+
+IMAGE_SIZE = 32  # pixels a side, after resizing
+MEAN, STD = 0.5, 0.25  # per channel, after scaling to [0, 1]
+
+
+def build_datasets(cfg):
+    """(train, eval): map-style datasets of {"pixels": (3, IMAGE_SIZE, IMAGE_SIZE), "labels": class}."""
+    splits = load_images(cfg)
+    train = splits[cfg.dataset_split]
+    held_out = next((splits[s] for s in ("validation", "test") if s in splits), None)
+    if held_out is None:  # a fixed split seed: changing `seed` must not move images between the two
+        split = train.train_test_split(test_size=cfg.eval_fraction, seed=0)
+        train, held_out = split["train"], split["test"]
+    image, label = columns_of(train, cfg.dataset)
+    as_tensors = functools.partial(to_tensors, image_column=image, label_column=label)
+    return train.with_transform(as_tensors), held_out.with_transform(as_tensors)
+
+
+def collate(samples: list[dict]) -> dict:
+    """The model's keyword arguments: pixels (batch, 3, H, W) and labels (batch,)."""
+    return {
+        "pixels": torch.stack([sample["pixels"] for sample in samples]),
+        "labels": torch.tensor([sample["labels"] for sample in samples]),
+    }
+
+
+def class_names(cfg) -> list[str]:
+    """The classes, in label order (model.py sizes its head by them and names its per-class metrics)."""
+    train = load_images(cfg)[cfg.dataset_split]
+    _, label = columns_of(train, cfg.dataset)
+    return list(train.features[label].names)
+
+
+def to_tensors(rows: dict, image_column: str, label_column: str) -> dict:
+    """A batch of rows (datasets' transform) to float pixels, resized and normalised, and labels."""
+    pixels = []
+    for image in rows[image_column]:
+        image = image.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE))
+        array = np.asarray(image, dtype=np.float32) / 255.0
+        pixels.append(torch.from_numpy((array - MEAN) / STD).permute(2, 0, 1))
+    return {"pixels": pixels, "labels": list(rows[label_column])}
+
+
+@functools.cache
+def load_images(cfg):
+    """The splits of an image folder or a hub image dataset (cached: class_names asks again)."""
+    import datasets
+
+    try:
+        if os.path.isdir(cfg.dataset):
+            splits = datasets.load_dataset("imagefolder", data_dir=cfg.dataset)
+        else:
+            splits = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None)
+    except Exception as e:  # no images, unreadable files, offline, a wrong name
+        raise ConfigError(
+            f"dataset '{cfg.dataset}' could not be read as images: {first_line(e)}"
+        ) from None
+    if cfg.dataset_split not in splits:
+        raise ConfigError(
+            f"dataset_split '{cfg.dataset_split}' is not a split of '{cfg.dataset}' (splits: {', '.join(splits)})"
+        )
+    return splits
+
+
+def columns_of(dataset, name: str) -> tuple[str, str]:
+    """The image column and the class label column, found by their types."""
+    import datasets
+
+    features = dataset.features
+    images = [c for c, f in features.items() if isinstance(f, datasets.Image)]
+    labels = [c for c, f in features.items() if isinstance(f, datasets.ClassLabel)]
+    if not images or not labels:
+        raise ConfigError(
+            f"dataset '{name}' has no image column and class label column (columns: {', '.join(features)}): "
+            f"keep one subfolder per class"
+        )
+    return images[0], labels[0]

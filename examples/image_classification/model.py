@@ -1,0 +1,96 @@
+"""An image classifier: a small CNN with BatchNorm, and its task (accuracy, per-class accuracy). Copy this
+file over train/model.py, and its data.py over train/data.py (examples/README.md).
+
+What the template uses of it (train/task.py): build_model, the model's .loss, eval_columns, eval_metrics.
+No tokens_per_sample: throughput is samples/s. No _no_split_modules: there is no repeated block to shard,
+so FSDP and activation_checkpointing are refused in one line; DDP and everything else work.
+
+BatchNorm's running statistics are buffers. Under DDP, `broadcast_buffers` (on by default) copies rank 0's
+to every rank at each forward, so every rank evaluates and exports the same statistics; --sync_batchnorm
+computes the batch statistics over all ranks' samples (GPUs). With broadcast_buffers off, each rank keeps
+its own statistics: each is checkpointed and restored with its rank, and the evaluation and the export use
+each rank's own (rank 0's is exported).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from data import class_names
+
+CLASSES: list[str] = []  # the class names, in label order: set by build_model, read by eval_metrics
+
+
+def build_model(cfg) -> nn.Module:
+    """The CNN, its head sized by the classes data.py finds; cfg.n_embd is the hidden layer's width."""
+    CLASSES[:] = class_names(cfg)
+    return SmallCNN(classes=len(CLASSES), width=cfg.n_embd, dropout=cfg.dropout)
+
+
+@dataclass
+class ClassifierOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor  # (batch, classes)
+
+
+class SmallCNN(nn.Module):
+    """Two conv-BatchNorm-ReLU-pool stages and two linear layers (the PyTorch DDP tutorial's shape)."""
+
+    def __init__(self, classes: int, width: int = 128, dropout: float = 0.0):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(64 * 4 * 4, width),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(width, classes),
+        )
+
+    def forward(self, pixels, labels=None) -> ClassifierOutput:
+        logits = self.head(self.features(pixels))
+        loss = None if labels is None else F.cross_entropy(logits.float(), labels)
+        return ClassifierOutput(loss=loss, logits=logits)
+
+
+@torch.no_grad()
+def eval_columns(output, batch: dict) -> dict:
+    """Per image: 1 (to count it), its loss, whether it was right; and per class, images and right ones."""
+    logits = output.logits.float()
+    labels = batch["labels"]
+    right = logits.argmax(-1) == labels
+    columns = {
+        "samples": torch.ones_like(labels, dtype=torch.float64),
+        "loss": F.cross_entropy(logits, labels, reduction="none").double(),
+        "right": right.double(),
+    }
+    for index in range(logits.size(-1)):
+        of_class = labels == index
+        columns[f"samples_{index}"] = of_class.double()
+        columns[f"right_{index}"] = (of_class & right).double()
+    return columns
+
+
+def eval_metrics(sums: dict) -> dict:
+    """Loss and accuracy over every eval image; accuracy/<class> over each class's (a class with no eval
+    image has none)."""
+    samples = max(sums["samples"], 1.0)
+    metrics = {"loss": sums["loss"] / samples, "accuracy": sums["right"] / samples}
+    for index, name in enumerate(CLASSES):
+        of_class = sums.get(f"samples_{index}", 0.0)
+        if of_class:
+            metrics[f"accuracy/{name}"] = sums[f"right_{index}"] / of_class
+    return metrics

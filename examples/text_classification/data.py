@@ -1,0 +1,120 @@
+"""The data of a text classifier: texts with a class label, from local files or a Hugging Face dataset, through
+the tokenizer --tokenizer names (a hub name or a local folder; by default the --model checkpoint's own). Copy
+this file over train/data.py, and its model.py over train/model.py (examples/README.md).
+
+    reviews.csv (or .jsonl, .json, .parquet; or a folder of them)      --dataset reviews.csv
+        text,label             the text column: --text_column (default text); the class: LABEL_COLUMN
+        "A fine film.",pos     labels may be names or numbers: the classes are their sorted values
+    stanfordnlp/imdb, or nyu-mll/glue with --dataset_config sst2 --text_column sentence   (hub datasets)
+
+A split named validation (or test) is the eval set; without one, eval_fraction of the rows. Each text is
+tokenized once (datasets caches it), cut to block_size tokens, and padded per batch to the batch's longest,
+with an attention mask: throughput is samples/s (a padded batch's token count is not the work done).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from errors import ConfigError, first_line
+from lm import load_tokenizer
+
+LABEL_COLUMN = "label"
+BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def build_datasets(cfg):
+    """(train, eval): map-style datasets of {"input_ids": (length,), "labels": class}."""
+    splits = load_texts(cfg)
+    train = splits[cfg.dataset_split]
+    held_out = next((splits[s] for s in ("validation", "test") if s in splits), None)
+    if held_out is None:  # a fixed split seed: changing `seed` must not move texts between the two
+        split = train.train_test_split(test_size=cfg.eval_fraction, seed=0)
+        train, held_out = split["train"], split["test"]
+    tokenize = functools.partial(
+        encode, tokenizer=text_tokenizer(cfg), column=cfg.text_column, max_length=cfg.block_size
+    )
+    train, held_out = (
+        part.map(tokenize, batched=True, remove_columns=part.column_names, desc="tokenizing")
+        for part in (train, held_out)
+    )
+    return train.with_format("torch"), held_out.with_format("torch")
+
+
+def collate(samples: list[dict]) -> dict:
+    """The model's keyword arguments: input_ids padded to the batch's longest, its attention mask (the
+    padding's id does not matter: the mask hides it), and labels."""
+    longest = max(len(sample["input_ids"]) for sample in samples)
+    input_ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    attention_mask = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        length = len(sample["input_ids"])
+        input_ids[row, :length] = sample["input_ids"]
+        attention_mask[row, :length] = 1
+    labels = torch.stack([torch.as_tensor(sample["labels"]) for sample in samples]).long()
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def class_names(cfg) -> list[str]:
+    """The classes, in label order (model.py sizes its head by them and names its per-class F1)."""
+    return list(load_texts(cfg)[cfg.dataset_split].features[LABEL_COLUMN].names)
+
+
+def text_tokenizer(cfg):
+    tokenizer = load_tokenizer(cfg.tokenizer_name)
+    if tokenizer is None:
+        raise ConfigError(
+            "tokenizer: a text classifier needs a Hugging Face tokenizer: pass --tokenizer NAME_OR_FOLDER "
+            "(e.g. google-bert/bert-base-uncased), or --model CHECKPOINT to use the checkpoint's own"
+        )
+    return tokenizer
+
+
+def encode(rows: dict, tokenizer, column: str, max_length: int) -> dict:
+    texts = [str(text) for text in rows[column]]
+    encoded = tokenizer(texts, truncation=True, max_length=max_length)
+    return {"input_ids": encoded["input_ids"], "labels": rows[LABEL_COLUMN]}
+
+
+@functools.cache
+def load_texts(cfg):
+    """The splits, with the label column as class labels (cached: class_names asks again)."""
+    import datasets
+
+    try:
+        if os.path.exists(cfg.dataset):
+            path = Path(cfg.dataset)
+            files = (
+                [path]
+                if path.is_file()
+                else sorted(p for p in path.rglob("*") if p.suffix in BUILDERS)
+            )
+            builder = BUILDERS.get(files[0].suffix) if files else None
+            if builder is None:
+                raise ConfigError(f"dataset '{cfg.dataset}' holds no {', '.join(BUILDERS)} file")
+            splits = datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]})
+        else:
+            splits = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None)
+    except ConfigError:
+        raise
+    except Exception as e:  # a malformed file, offline, a wrong name
+        raise ConfigError(f"dataset '{cfg.dataset}' could not be read: {first_line(e)}") from None
+    if cfg.dataset_split not in splits:
+        raise ConfigError(
+            f"dataset_split '{cfg.dataset_split}' is not a split of '{cfg.dataset}' (splits: {', '.join(splits)})"
+        )
+    columns = splits[cfg.dataset_split].column_names
+    for key, column in (("text_column", cfg.text_column), ("data.py's LABEL_COLUMN", LABEL_COLUMN)):
+        if column not in columns:
+            raise ConfigError(
+                f"{key} '{column}' is not a column of '{cfg.dataset}' (columns: {', '.join(columns)})"
+            )
+    if not isinstance(splits[cfg.dataset_split].features[LABEL_COLUMN], datasets.ClassLabel):
+        splits = splits.class_encode_column(
+            LABEL_COLUMN
+        )  # names or numbers: classes in sorted order
+    return splits
