@@ -13,6 +13,7 @@ holds beyond "a map-style dataset of samples"."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -201,8 +202,16 @@ def data_identity(cfg, train_set) -> dict:
         "seed": cfg.seed,
         "dataset": cfg.dataset,
         "train_blocks": len(train_set),
-        "data_digest": content_digest(train_set),
+        "data_digest": fork_identity(train_set) or content_digest(train_set),
     }
+
+
+def fork_identity(dataset) -> str | None:
+    """data.py's `identity(dataset)`, where the fork defines one (task.py); else None."""
+    import importlib
+
+    identity = getattr(importlib.import_module("data"), "identity", None)
+    return str(identity(dataset)) if identity else None
 
 
 def stream_files(dataset: str) -> str | None:
@@ -250,17 +259,18 @@ def hub_revision(name: str) -> str | None:
         return None
 
 
-def content_digest(dataset, budget_bytes: int = 1 << 30) -> str | None:
-    """A digest of a datasets.Dataset's content (None for any other dataset): xxh3 of its Arrow buffers, all
-    of them up to `budget_bytes`, an evenly spaced sample of its chunks beyond (about 0.1 s per GiB from the
-    page cache). Content, not datasets' `_fingerprint`: that one hashes the functions that made the data with
-    everything they reference, so a data.py whose map function reads `cfg` would change it on every resume
-    (cfg.resume differs)."""
+def content_digest(dataset, budget_bytes: int = 1 << 30) -> str:
+    """A digest of a dataset's content. A datasets.Dataset: xxh3 of its Arrow buffers, all of them up
+    to `budget_bytes`, an evenly spaced sample of its chunks beyond (about 0.1 s per GiB from the page
+    cache), and the files its image or audio columns only name by path (an image folder's). Any other
+    dataset (a torch Dataset): its samples' tensors (sample_digest). Content, not datasets'
+    `_fingerprint`: that one hashes the functions that made the data with everything they reference,
+    so a data.py whose map function reads `cfg` would change it on every resume (cfg.resume differs)."""
     import datasets
     import xxhash
 
     if not isinstance(dataset, datasets.Dataset):
-        return None
+        return sample_digest(dataset)
     tables = [dataset.data.table]
     if dataset._indices is not None:  # a selected or shuffled view: which rows, in which order
         tables.append(dataset._indices.table)
@@ -273,4 +283,66 @@ def content_digest(dataset, budget_bytes: int = 1 << 30) -> str | None:
         for buffer in chunk.buffers():
             if buffer is not None:
                 digest.update(memoryview(buffer))
+    digest.update(files_digest(named_files(dataset), budget_bytes).encode())
     return digest.hexdigest()
+
+
+def named_files(dataset) -> list[str]:
+    """The files a dataset's image or audio columns name by path without holding their bytes."""
+    import datasets
+
+    files = []
+    for column, feature in dataset.features.items():
+        if isinstance(feature, (datasets.Image, datasets.Audio)):
+            cells = dataset.data.table.column(column).to_pylist()
+            files += [c["path"] for c in cells if c and c.get("bytes") is None and c.get("path")]
+    return files
+
+
+def files_digest(files: list[str], budget_bytes: int) -> str:
+    """xxh3 of the files' names, sizes and contents: every file's up to `budget_bytes` in all, beyond
+    that every file's size and an evenly spaced sample of their contents."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    sizes = [os.path.getsize(file) for file in files]
+    every = max(1, -(-sum(sizes) // budget_bytes))
+    for index, (file, size) in enumerate(zip(files, sizes, strict=True)):
+        digest.update(f"{file}:{size}".encode())
+        if index % every == 0:
+            digest.update(Path(file).read_bytes())
+    return digest.hexdigest()
+
+
+def sample_digest(dataset, most: int = 4096) -> str:
+    """xxh3 of up to `most` evenly spaced samples of any map-style dataset (every sample of a smaller
+    one): their tensors' and arrays' bytes, and any other value's repr. A dataset without len() or
+    indexing gets its type's name: define data.py's identity(dataset) for it."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    try:
+        size = len(dataset)
+        indices = sorted({i * size // most for i in range(most)}) if size > most else range(size)
+        digest.update(str(size).encode())
+        for index in indices:
+            _update(digest, dataset[index])
+    except (TypeError, NotImplementedError):
+        return type(dataset).__name__
+    return digest.hexdigest()
+
+
+def _update(digest, value) -> None:
+    if isinstance(value, dict):
+        for key in sorted(value):
+            digest.update(str(key).encode())
+            _update(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _update(digest, item)
+    elif isinstance(value, torch.Tensor):
+        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    elif isinstance(value, np.ndarray):
+        digest.update(np.ascontiguousarray(value).tobytes())
+    else:
+        digest.update(repr(value).encode())

@@ -1,0 +1,129 @@
+"""What the template asks of the fork's files (train/task.py), for any task: the start-up checks say what is
+wrong in one line that points into the fork's files; and any dataset gets a content identity for resuming
+(batches.data_identity): an image folder's files, a plain torch Dataset's samples."""
+
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import task
+from batches import content_digest
+from errors import ConfigError
+
+
+def classifier_columns(output, batch):
+    right = output.logits.argmax(-1) == batch["labels"]
+    losses = F.cross_entropy(output.logits, batch["labels"], reduction="none")
+    return {"samples": torch.ones(len(right)), "loss": losses, "right": right.double()}
+
+
+def classifier_metrics(sums):
+    return {"loss": sums["loss"] / sums["samples"], "accuracy": sums["right"] / sums["samples"]}
+
+
+def model_returning(loss_of):
+    model = torch.nn.Module()
+    logits = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+
+    def forward(pixels, labels):
+        return SimpleNamespace(logits=logits, loss=loss_of(logits, labels))
+
+    model.forward = forward
+    return model
+
+
+BATCH = {"pixels": torch.zeros(4, 1), "labels": torch.tensor([0, 1, 2, 1])}
+
+
+def test_a_classifier_whose_loss_is_its_evaluations_passes_and_one_that_differs_is_refused():
+    agreeing = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
+    task.check_loss_contract(agreeing, BATCH, classifier_columns, classifier_metrics)
+    doubled = model_returning(lambda logits, labels: 2 * F.cross_entropy(logits, labels))
+    with pytest.raises(ConfigError, match=r"^train/model.py: the model's .loss \(") as error:
+        task.check_loss_contract(doubled, BATCH, classifier_columns, classifier_metrics)
+    assert "\n" not in str(error.value)
+    # a task that reports no loss is not held to one; a model without .loss is
+    task.check_loss_contract(doubled, BATCH, classifier_columns, lambda sums: {"accuracy": 1.0})
+    silent = model_returning(lambda logits, labels: None)
+    with pytest.raises(ConfigError, match=r"must return an object whose .loss is the scalar"):
+        task.check_loss_contract(silent, BATCH, classifier_columns, classifier_metrics)
+
+
+def test_columns_that_are_not_one_value_per_sample_are_refused_by_name():
+    model = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
+
+    def per_token(output, batch):  # a causal LM's habit: (batch, positions), not (batch,)
+        return {"loss": torch.zeros(4, 7)}
+
+    with pytest.raises(
+        ConfigError, match=r"eval_columns' 'loss' must be one value per sample, shape \(4,\)"
+    ):
+        task.check_loss_contract(model, BATCH, per_token, classifier_metrics)
+
+
+def test_an_error_inside_the_forks_evaluation_names_its_file_and_line(tmp_path, monkeypatch):
+    # a fork's train/model.py whose eval_columns indexes a classifier's labels as a causal LM's
+    fork_file = tmp_path / "train" / "model.py"
+    fork_file.parent.mkdir()
+    fork_file.write_text(
+        "def eval_columns(output, batch):\n    return {'x': batch['labels'][:, 1:]}\n"
+    )
+    module = types.ModuleType("fork_model")
+    exec(compile(fork_file.read_text(), str(fork_file), "exec"), module.__dict__)
+    model = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
+    with pytest.raises(ConfigError, match=r"^train/model.py:2: IndexError: too many indices"):
+        task.check_loss_contract(model, BATCH, module.eval_columns, classifier_metrics)
+
+
+def test_a_fork_file_missing_a_name_is_one_line_naming_the_file_and_the_name(monkeypatch):
+    fork_model = types.ModuleType("model")
+    fork_model.build_model = lambda cfg: None
+    fork_model.eval_metrics = lambda sums: {}
+    monkeypatch.setitem(sys.modules, "model", fork_model)
+    with pytest.raises(
+        ConfigError, match=r"^train/model.py defines no eval_columns\(output, batch\)"
+    ):
+        task.check_fork_files(streaming=False)
+
+
+def write_images(folder, seed):
+    rng = np.random.default_rng(seed)
+    for name in ("cat", "dog"):
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        for i in range(3):
+            pixels = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(folder / name / f"{i}.png")
+
+
+def test_an_image_folders_identity_is_its_files_content(tmp_path):
+    import datasets
+
+    folder = tmp_path / "images"
+    write_images(folder, seed=0)
+
+    def digest():
+        table = datasets.load_dataset(
+            "imagefolder", data_dir=str(folder), cache_dir=str(tmp_path / "c")
+        )
+        return content_digest(table["train"])
+
+    before = digest()
+    assert digest() == before
+    # the same file names, other pixels: the Arrow table holds only the paths, the files changed
+    write_images(folder, seed=1)
+    assert digest() != before
+
+
+def test_a_plain_torch_datasets_identity_is_its_samples():
+    data = torch.arange(24.0).view(12, 2)
+    same = content_digest(torch.utils.data.TensorDataset(data.clone()))
+    assert content_digest(torch.utils.data.TensorDataset(data)) == same
+    changed = data.clone()
+    changed[7, 1] += 1
+    assert content_digest(torch.utils.data.TensorDataset(changed)) != same
