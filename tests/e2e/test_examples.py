@@ -1,0 +1,270 @@
+"""The template's promises, kept for every task in examples/ (an image classifier with BatchNorm, a text
+classifier on a Hugging Face encoder, a GRU language model without blocks), each installed as a fork does:
+its model.py and data.py copied over train/'s in a copy of the repository. The shipped causal LM keeps the
+same promises in the rest of the suite. For each example, with 2 processes and an eval set whose size the
+ranks and batches do not divide:
+    - it learns, and main.py (accelerate launch) and torch_ddp.py (torchrun) train it bitwise alike;
+    - each eval metric equals an independent computation over exactly the eval set, from the export;
+    - the W&B offline run holds the task's own metrics;
+    - a SIGTERM (checkpoint, exit 75) and a SIGKILL of one rank each resume to the same bits;
+    - FSDP2 trains it where the model declares blocks (skipped, with the reason, where not).
+"""
+
+import csv
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import (
+    REPO,
+    base_env,
+    launch_accelerate,
+    launch_torchrun,
+    load_weights,
+    read_metrics,
+    run,
+    tiny_args,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from wandb_reader import read_run  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = REPO / "examples"
+INDEPENDENT_EVAL = REPO / "tests" / "helpers" / "independent_eval.py"
+
+
+def make_fork(root: Path, example: str) -> Path:
+    """A copy of the repository (its git-tracked files) with train/model.py and train/data.py replaced
+    by the example's."""
+    fork = root / "fork"
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    files = listed.stdout.split() if listed.returncode == 0 else []
+    if not files:  # not a git checkout: the folders a fork has
+        folders = ("train", "tests", "data", "accelerate_configs", "examples")
+        files = [
+            str(p.relative_to(REPO)) for f in folders for p in (REPO / f).rglob("*") if p.is_file()
+        ]
+    for name in files:
+        if "__pycache__" in name or not (REPO / name).is_file():
+            continue
+        (fork / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, fork / name)
+    for name in ("model.py", "data.py"):
+        shutil.copy(EXAMPLES / example / name, fork / "train" / name)
+    return fork
+
+
+def write_images(folder: Path) -> Path:
+    """Three classes of 24x24 images told apart by where a bright square sits, in noise (37 each)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for name, column in {"left": 0, "middle": 8, "right": 16}.items():
+        (folder / name).mkdir(parents=True)
+        for i in range(37):
+            pixels = rng.integers(0, 140, (24, 24, 3), dtype=np.uint8)
+            pixels[8:16, column : column + 8] += 100
+            Image.fromarray(pixels).save(folder / name / f"{i:03d}.png")
+    return folder
+
+
+WORDS = {
+    "pos": ["great", "fine", "lovely", "superb", "good", "moving"],
+    "neg": ["dull", "awful", "bad", "boring", "weak", "poor"],
+}
+FILLER = ["the", "film", "was", "a", "story", "and", "acting", "plot", "quite", "really"]
+
+
+def write_reviews(path: Path) -> Path:
+    """230 reviews of 4 to 22 words, labelled pos or neg by the words they hold (one in ten misleads)."""
+    rng = random.Random(0)
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["text", "label"])
+        for _ in range(230):
+            label = rng.choice(["pos", "neg"])
+            words = [rng.choice(FILLER) for _ in range(rng.randint(3, 20))]
+            words.insert(rng.randint(0, len(words)), rng.choice(WORDS[label]))
+            if rng.random() < 0.1:
+                words.insert(0, rng.choice(WORDS["neg" if label == "pos" else "pos"]))
+            writer.writerow([" ".join(words), label])
+    return path
+
+
+def write_word_tokenizer(folder: Path) -> Path:
+    """A word-level BERT tokenizer for those reviews, saved as a Hugging Face tokenizer folder."""
+    from transformers import BertTokenizerFast
+
+    words = [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        *sorted({*FILLER, *sum(WORDS.values(), [])}),
+    ]
+    BertTokenizerFast(vocab={word: i for i, word in enumerate(words)}).save_pretrained(folder)
+    return folder
+
+
+def write_lm_reviews(path: Path) -> Path:
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["stars", "review"])
+        for i in range(300):
+            writer.writerow([5, f"review {i}: " + "good value, would buy again. " * 3])
+    return path
+
+
+def example_args(example: str, root: Path) -> list[str]:
+    """Each example's data, written here, and the flags that train it in a few seconds."""
+    if example == "image_classification":
+        data = ["--dataset", write_images(root / "shapes"), "--eval_fraction", 0.2, "--lr", 3e-3]
+    elif example == "text_classification":
+        reviews = write_reviews(root / "reviews.csv")
+        tokenizer = write_word_tokenizer(root / "tokenizer")
+        data = [
+            "--dataset",
+            reviews,
+            "--tokenizer",
+            tokenizer,
+            "--eval_fraction",
+            0.2,
+            "--lr",
+            2e-3,
+        ]
+        data += ["--n_layer", 2, "--n_embd", 32, "--n_head", 2]
+    else:
+        data = [
+            "--dataset",
+            write_lm_reviews(root / "lm.csv"),
+            "--text_column",
+            "review",
+            "--lr",
+            1e-2,
+        ]
+        data += ["--n_layer", 1]
+    return [str(value) for value in data]
+
+
+class Example:
+    def __init__(self, name: str, root: Path):
+        self.name, self.root = name, root
+        self.fork = make_fork(root, name)
+        self.data = example_args(name, root)
+        self.main = self.fork / "train" / "main.py"
+        self.torch_ddp = self.fork / "train" / "torch_ddp.py"
+        self.faulty = self.fork / "tests" / "helpers" / "faulty_main.py"
+
+    def args(self, output_dir: Path, **overrides) -> list[str]:
+        values = dict(max_steps=16, save_every=8, eval_every=8, warmup_steps=2, batch_size=4)
+        values.update(overrides)
+        return [*tiny_args(output_dir, Path("unused"), **values), *self.data]
+
+
+@pytest.fixture(
+    scope="module", params=["image_classification", "text_classification", "gru_language_model"]
+)
+def example(request, tmp_path_factory):
+    return Example(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def trained(example):
+    """The example's baseline: accelerate launch, 2 processes, W&B offline."""
+    run_dir = example.root / "baseline"
+    args = [*example.args(run_dir), "--tracker", "wandb"]
+    return launch_accelerate(args, example.root, script=example.main).check()
+
+
+def same_bits(run_dir: Path, baseline_dir: Path) -> None:
+    losses = {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+    expected = {row["step"]: row["loss"] for row in read_metrics(baseline_dir) if "loss" in row}
+    assert losses == expected
+    weights, baseline = (
+        load_weights(run_dir / "model.safetensors"),
+        load_weights(baseline_dir / "model.safetensors"),
+    )
+    assert weights.keys() == baseline.keys()
+    assert all(weights[key].equal(baseline[key]) for key in weights), "the exported weights differ"
+
+
+def test_it_learns_and_both_paths_train_it_bitwise_alike(example, trained):
+    losses = trained.losses()
+    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in (14, 15, 16)) / 3
+    assert last < 0.8 * first, losses
+    torch_path = example.root / "torch_path"
+    launch_torchrun(example.args(torch_path), example.root, script=example.torch_ddp).check()
+    same_bits(torch_path, trained.output_dir)
+
+
+def test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set(example, trained):
+    rows = read_metrics(trained.output_dir)
+    reported = next(row for row in reversed(rows) if any(key.startswith("eval_") for key in row))
+    result = run(
+        [sys.executable, str(INDEPENDENT_EVAL), str(example.fork), str(trained.output_dir)],
+        base_env(example.root),
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    independent = json.loads(result.stdout.strip().splitlines()[-1])
+    info = json.loads((trained.output_dir / "run_info.json").read_text())
+    assert (
+        info["eval_samples"] % (2 * 4) != 0
+    )  # the last batches are padded, and the copies dropped
+    if example.name == "gru_language_model":
+        assert reported["eval_loss"] == pytest.approx(independent["loss"], rel=1e-5)
+        return
+    assert reported["eval_accuracy"] == pytest.approx(independent["accuracy"], abs=1e-12)
+    per_class = "accuracy/" if example.name == "image_classification" else "f1/"
+    checked = {key: value for key, value in independent.items() if key.startswith(per_class)}
+    assert checked and all(
+        reported[f"eval_{key}"] == pytest.approx(v, abs=1e-12) for key, v in checked.items()
+    )
+    (wandb_run,) = [read_run(p) for p in trained.output_dir.glob("wandb/offline-run-*/run-*.wandb")]
+    logged = [row for row in wandb_run["history"] if "eval_accuracy" in row]
+    assert [row["eval_accuracy"] for row in logged][-1] == reported["eval_accuracy"]
+    assert all(f"eval_{key}" in logged[-1] for key in checked)
+
+
+@pytest.mark.parametrize("fault", ["sigterm", "sigkill"])
+def test_a_preemption_or_a_killed_rank_resumes_to_the_same_bits(example, trained, fault):
+    """SIGTERM to every rank at step 5: a checkpoint at 5, exit 75. SIGKILL of rank 1 at step 11: the job
+    fails, the checkpoint of step 8 stays. Either way --resume latest ends bitwise as the baseline."""
+    run_dir = example.root / f"{fault}_run"
+    args = example.args(run_dir)
+    step = 5 if fault == "sigterm" else 11
+    env = {"FAULT_STEP": step, "FAULT_ACTION": fault, "FAULT_ONCE": example.root / f"{fault}.once"}
+    if fault == "sigkill":
+        env["FAULT_RANK"] = 1
+    faulted = launch_accelerate(args, example.root, script=example.faulty, env_extra=env)
+    if fault == "sigterm":
+        assert faulted.returncode == 75, faulted.tail()
+        assert json.loads((run_dir / "preempted.json").read_text())["step"] == 5
+    else:
+        assert faulted.returncode != 0
+    resumed = launch_accelerate([*args, "--resume", "latest"], example.root, script=example.main)
+    resumed.check()
+    assert f"(step {5 if fault == 'sigterm' else 8})" in resumed.output
+    same_bits(run_dir, trained.output_dir)
+
+
+def test_fsdp2_trains_it_where_the_model_declares_blocks(example):
+    if example.name != "text_classification":
+        pytest.skip(
+            f"{example.name}'s model declares no blocks (_no_split_modules): FSDP has no unit to shard"
+        )
+    run_dir = example.root / "fsdp"
+    args = [*example.args(run_dir, max_steps=8), "--fsdp", "full"]
+    trained = launch_torchrun(args, example.root, script=example.torch_ddp).check()
+    losses = trained.losses()
+    assert len(losses) == 8 and all(np.isfinite(list(losses.values())))
+    assert any("eval_f1" in row for row in read_metrics(run_dir))
+    assert (run_dir / "model.safetensors").exists()
