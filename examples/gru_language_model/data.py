@@ -1,7 +1,7 @@
-"""A fork's data.py, written as a user of the template would (tests/e2e/test_first_hour.py copies it over
-train/data.py): reviews in a CSV file (or JSON lines) whose text column the config names, each document
-started by a marker token instead of ended by one, held out by a hash of its text. The contract of the
-template's data.py: build_datasets, packer, collate."""
+"""A GRU language model's data (copy it over train/data.py, with its model.py): reviews in a CSV file (or
+JSON lines) whose text column the config names, each document started by a marker token instead of ended by
+one, held out by a hash of its text. Its contract is the template's data.py's: build_datasets, packer (for
+--streaming), collate."""
 
 from __future__ import annotations
 
