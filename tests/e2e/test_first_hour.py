@@ -60,7 +60,7 @@ def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, c
         "        out = super().forward(input_ids)\n"
         "        out.loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())  # no next-token shift\n"
         "        return out\n"
-        "main.build_model = lambda cfg: Unshifted(256, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0)\n"
+        "main.task.build_model = lambda cfg: Unshifted(256, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd, 0.0)\n"
         "main.main()\n"
     )
     result = run_python(tiny_args(tmp_path / "run", corpus), tmp_path, script=wrapper)

@@ -126,7 +126,7 @@ def inject_save_fault(point: str, save_number: int) -> None:
 
 
 def inject_nan_loss(step: int) -> None:
-    original_build = main.build_model
+    original_build = main.task.build_model
 
     def build_model(cfg):
         model = original_build(cfg)
@@ -144,7 +144,7 @@ def inject_nan_loss(step: int) -> None:
             model.register_forward_hook(poison)
         return model
 
-    main.build_model = build_model
+    main.task.build_model = build_model
 
 
 def inject_startup_signal(action: str) -> None:
@@ -159,7 +159,7 @@ def inject_startup_signal(action: str) -> None:
 
 
 def inject_inf_grads(step: int) -> None:
-    original_build = main.build_model
+    original_build = main.task.build_model
 
     def build_model(cfg):
         model = original_build(cfg)
@@ -173,7 +173,7 @@ def inject_inf_grads(step: int) -> None:
             next(model.parameters()).register_hook(blow_up)
         return model
 
-    main.build_model = build_model
+    main.task.build_model = build_model
 
 
 def kill_at_event(n: int) -> None:
