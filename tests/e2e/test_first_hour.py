@@ -66,5 +66,5 @@ def test_a_fork_model_whose_loss_forgets_the_shift_stops_at_start_up(tmp_path, c
     result = run_python(tiny_args(tmp_path / "run", corpus), tmp_path, script=wrapper)
     assert result.returncode == 2 and "Traceback" not in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: model: its .loss (")
+    assert len(errors) == 1 and errors[0].startswith("error: train/model.py: the model's .loss (")
     assert "is not the loss its eval_columns and eval_metrics report" in errors[0]
