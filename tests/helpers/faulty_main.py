@@ -275,6 +275,7 @@ def record_samples(folder: str) -> None:
     ids of the blocks it drew)."""
     import torch
 
+    import batches
     from streaming import StreamBatches
 
     drawn = []
@@ -314,7 +315,17 @@ def record_samples(folder: str) -> None:
         (Path(folder) / f"rank{RANK}.json").write_text(json.dumps(drawn))
         return code
 
+    # the data identity hashes a torch Dataset's samples: take them from the dataset itself, unrecorded, so
+    # only what the loader drew is recorded and the identity is the unwrapped run's
+    original_digest = batches.content_digest
+
+    def content_digest(dataset, *args, **kwargs):
+        if isinstance(dataset, Recording):
+            dataset = dataset.dataset
+        return original_digest(dataset, *args, **kwargs)
+
     main.build_datasets, main.train, StreamBatches.next_block = build_datasets, train, next_block
+    batches.content_digest = content_digest
 
 
 if __name__ == "__main__":
