@@ -65,7 +65,8 @@ def test_shipped_presets_load():
         (["--resume", "/no/such/checkpoint"], "resume must be '', 'latest' or an existing folder"),
         (["--dropout", "1.5"], "dropout must be in [0, 1)"),
         (["--compile", "maybe"], "compile must be one of auto, true, false (got 'maybe')"),
-        (["--model", "gpt2", "--bias", "true"], "bias applies to the built-in gpt only"),
+        (["--hf_model", "gpt2", "--bias", "true"], "bias applies to the built-in GPT only"),
+        (["--model", "gpt2"], "unknown key 'model' (renamed hf_model: a Hugging Face model's hub name"),
         (["--lr"], "lr needs a value"),
         (
             ["--lr", "--max_steps", "20"],
@@ -187,7 +188,7 @@ def test_config_reads_no_data_model_or_hub(tmp_path):
     needs them is checked by job.load_checked_config, still before any process group)."""
     probe = (
         "import sys; sys.path.insert(0, 'train'); from config import load_config; "
-        "load_config(['--model', 'someone/some-model', '--dataset', 'someone/some-data']); "
+        "load_config(['--hf_model', 'someone/some-model', '--dataset', 'someone/some-data']); "
         "print(sorted(m for m in ('datasets', 'transformers', 'data', 'model', 'lm') if m in sys.modules))"
     )
     result = run([sys.executable, "-c", probe], base_env(tmp_path), timeout=60)

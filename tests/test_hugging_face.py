@@ -69,7 +69,7 @@ def test_a_hugging_face_model_from_a_folder_pretrained_or_fresh(corpus, bpe_toke
         str(corpus),
         "--block_size",
         "32",
-        "--model",
+        "--hf_model",
         str(tiny_llama),
         "--tokenizer",
         str(bpe_tokenizer),
@@ -93,21 +93,21 @@ def test_a_hugging_face_model_from_a_folder_pretrained_or_fresh(corpus, bpe_toke
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--model", "nobody/no-such-model"], "model 'nobody/no-such-model' could not be loaded"),
+        (["--hf_model", "nobody/no-such-model"], "hf_model 'nobody/no-such-model' could not be loaded"),
         (
             ["--tokenizer", "nobody/no-such-tokenizer"],
             "tokenizer 'nobody/no-such-tokenizer' could not be loaded",
         ),
         (
-            ["--model", "LLAMA"],
+            ["--hf_model", "LLAMA"],
             "tokenizer '.*llama.*' could not be loaded: .*the model's own, by default: pass --tok",
         ),
         (
-            ["--model", "SMALL_LLAMA", "--tokenizer", "BPE"],
+            ["--hf_model", "SMALL_LLAMA", "--tokenizer", "BPE"],
             "tokenizer has 320 tokens, more than the 100 that model",
         ),
         (
-            ["--model", "LLAMA", "--tokenizer", "BPE", "--block_size", "65"],
+            ["--hf_model", "LLAMA", "--tokenizer", "BPE", "--block_size", "65"],
             "block_size must be <= the model's 64",
         ),
         (["--model_weights", "random"], "model_weights must be one of pretrained, config"),
@@ -136,16 +136,16 @@ def test_a_model_folder_that_cannot_be_loaded_as_configured_is_one_line_exit_2(
     config = json.loads((folder / "config.json").read_text())
     if damage == "other_shape":
         config["intermediate_size"] = 48  # the MLP's matrices in the file are 64 wide
-        expected = f"model '{folder}': its weights do not fit its config.json \\(llama\\): "
+        expected = f"hf_model '{folder}': its weights do not fit its config.json \\(llama\\): "
         expected += r".*\[64, 32\] vs \[48, 32\]"
     elif damage == "no_weights":
         (folder / "model.safetensors").unlink()
-        expected = f"model '{folder}' has a config.json and no weights .*--model_weights config"
+        expected = f"hf_model '{folder}' has a config.json and no weights .*--model_weights config"
     else:
         config["model_type"] = "no-such-architecture"
-        expected = f"model '{folder}' could not be loaded: "
+        expected = f"hf_model '{folder}' could not be loaded: "
     (folder / "config.json").write_text(json.dumps(config))
-    flags = ["--dataset", str(corpus), "--block_size", "32", "--model", str(folder)]
+    flags = ["--dataset", str(corpus), "--block_size", "32", "--hf_model", str(folder)]
     flags += ["--tokenizer", str(bpe_tokenizer), "--output_dir", str(tmp_path / "run")]
     with pytest.raises(ConfigError, match=expected) as refused:
         load_checked_config(flags)
@@ -197,7 +197,7 @@ def test_sample_works_with_a_hugging_face_model_and_its_tokenizer(
     sample = sample_script()
     run = write_run_folder(
         tmp_path / "run",
-        TrainConfig(model=str(tiny_llama), tokenizer=str(bpe_tokenizer), block_size=32),
+        TrainConfig(hf_model=str(tiny_llama), tokenizer=str(bpe_tokenizer), block_size=32),
     )
     _, model, tokenizer = sample.load_trained(run)
     first, again = (

@@ -57,7 +57,7 @@ def test_only_the_entry_point_and_the_stream_use_the_fork_files_and_through_few_
     assert used == {"build_model", "eval_columns", "eval_metrics"}, used
     assert imports_of("torch_ddp").keys().isdisjoint(FORK_FILES)
     for fork_file in FORK_FILES:  # the fork's files may use the template's helpers, never the loop
-        assert imports_of(fork_file).keys() <= {"lm", "errors", "config"}, fork_file
+        assert imports_of(fork_file).keys() <= {"lm", "checks", "errors", "config"}, fork_file
 
 
 def test_the_error_vocabulary_and_the_config_import_nothing_of_the_template_above_them():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import task
+from config import TrainConfig
 from batches import content_digest
 from errors import ConfigError
 
@@ -89,7 +90,21 @@ def test_a_fork_file_missing_a_name_is_one_line_naming_the_file_and_the_name(mon
     with pytest.raises(
         ConfigError, match=r"^train/model.py defines no eval_columns\(output, batch\)"
     ):
-        task.check_fork_files(streaming=False)
+        task.check_fork_files(TrainConfig())
+
+
+def test_the_model_checks_its_own_keys_at_start_up(monkeypatch):
+    """The shipped GPT's checks are model.py's check_config, run with the template's."""
+    with pytest.raises(
+        ConfigError, match=r"^n_embd must be divisible by n_head \(3\) \(got 100\)$"
+    ):
+        task.check_fork_files(TrainConfig(n_embd=100, n_head=3))
+    fork_model = types.ModuleType("model")
+    fork_model.build_model = lambda cfg: None
+    fork_model.eval_columns = lambda output, batch: {}
+    fork_model.eval_metrics = lambda sums: {}
+    monkeypatch.setitem(sys.modules, "model", fork_model)  # a fork without check_config: none run
+    task.check_fork_files(TrainConfig(n_embd=100, n_head=3))
 
 
 def write_images(folder, seed):

@@ -219,7 +219,7 @@ def stream_files(dataset: str) -> str | None:
     to 64 MiB, else 16 evenly spaced MiB of it). None for a hub dataset (its revision counts instead)."""
     import xxhash
 
-    from lm import DATA_FILE_SUFFIXES
+    from checks import DATA_FILE_SUFFIXES
 
     path = Path(dataset)
     if not path.exists():

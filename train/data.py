@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from checks import DATA_FILE_SUFFIXES, unreadable_data
 from errors import ConfigError, first_line
-from lm import DATA_FILE_SUFFIXES, packing_tokenizer, unreadable_data
+from lm import packing_tokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the repo's data/ folder
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
+from checks import check_dataset_name, check_model_and_tokenizer
 from config import TrainConfig, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line
 from hangs import explain as explain_hang
 from hangs import stop_watching
 from harness import check_tasks
-from lm import check_dataset_name, check_model_and_tokenizer
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
 from task import check_fork_files
@@ -325,7 +325,7 @@ def load_config_or_exit(argv) -> TrainConfig:
 def load_checked_config(argv) -> TrainConfig:
     """load_config's types and ranges, then what needs a file or the hub."""
     cfg = load_config(argv)
-    check_fork_files(cfg.streaming)  # model.py and data.py define what the template uses
+    check_fork_files(cfg)  # model.py and data.py define what the template uses
     check_sources(cfg)  # --resume, --init_from
     # each source of a mixture, or the one dataset
     for path in [source.path for source in cfg.mixture] or [cfg.dataset]:

@@ -8,17 +8,15 @@ the LM's answers to what the template asks of a task (task.py):
     - what a sample is worth: `tokens_per_sample` (a packed block), FLOPs per token for MFU;
     - finding the transformer blocks (`_no_split_modules`) for FSDP and activation checkpointing;
     - tokenizers (`--tokenizer`: bytes, or a Hugging Face name or folder) and Hugging Face causal
-      LMs (`--model NAME`, which the shipped model.py's build_model builds instead of its GPT).
-Nothing here imports model.py or data.py: they import from here.
+      LMs (`--hf_model NAME`, which the shipped model.py's build_model builds instead of its GPT).
+Nothing here imports model.py or data.py: they import from here. What a config names (data files,
+hub datasets, Hugging Face models and tokenizers) is checked at start-up in checks.py.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -28,8 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from errors import ConfigError, first_line
 
 BYTE_VOCAB_SIZE = 256  # the "bytes" tokenizer: every UTF-8 byte is a token, nothing to download
-# --model's value for model.py's build_model (anything else is a Hugging Face model)
-LOCAL_MODEL = "gpt"
 
 
 # ---------------------------------------------------------------- the loss and the evaluation columns
@@ -180,18 +176,19 @@ def vocab_size(cfg) -> int:
 
 
 def uses_hub_model(cfg) -> bool:
-    return cfg.model != LOCAL_MODEL
+    """--hf_model NAME: model.py builds that Hugging Face model instead of its own."""
+    return cfg.hf_model != ""
 
 
 def hugging_face_model(cfg) -> nn.Module:
-    """--model NAME: its pretrained weights (fine-tuning), or its architecture with fresh weights
+    """--hf_model NAME: its pretrained weights (fine-tuning), or its architecture with fresh weights
     (model_weights: config), in fp32: mixed precision casts for compute, the optimizer steps fp32
     weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if cfg.model_weights == "pretrained":
-        return AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    model_config = AutoConfig.from_pretrained(cfg.model)
+        return AutoModelForCausalLM.from_pretrained(cfg.hf_model, dtype=torch.float32)
+    model_config = AutoConfig.from_pretrained(cfg.hf_model)
     return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
 
@@ -201,196 +198,3 @@ def save_tokenizer(cfg, folder) -> None:
     tokenizer = load_tokenizer(cfg.tokenizer_name)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-
-
-def check_model_and_tokenizer(cfg) -> None:
-    """Resolve a Hugging Face model's config and tokenizer now (small files, or the local cache
-    offline): a wrong name, or a tokenizer the model cannot embed, is one line before any process
-    group or download of weights."""
-    if not uses_hub_model(cfg) and cfg.tokenizer_name == "bytes":
-        return
-    model_config = None
-    if uses_hub_model(cfg):
-        from transformers import AutoConfig
-
-        try:
-            model_config = AutoConfig.from_pretrained(cfg.model)
-        except Exception as e:  # offline, a wrong name or folder, no access
-            raise ConfigError(f"model '{cfg.model}' could not be loaded: {first_line(e)}") from None
-    try:
-        tokens = vocab_size(cfg)
-    except ConfigError as e:
-        default = (
-            ""
-            if cfg.tokenizer
-            else " (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)"
-        )
-        raise ConfigError(f"{e}{default}") from None
-    if model_config is None:
-        return
-    if cfg.model_weights == "pretrained" and os.path.isdir(cfg.model):
-        check_model_folder(cfg.model, model_config)
-    embedded = model_config.vocab_size
-    if tokens > embedded:
-        raise ConfigError(
-            f"tokenizer has {tokens} tokens, more than the {embedded} that model '{cfg.model}' embeds "
-            f"(got {cfg.tokenizer_name!r})"
-        )
-    positions = getattr(model_config, "max_position_embeddings", None) or cfg.block_size
-    if cfg.block_size > positions:
-        raise ConfigError(
-            f"block_size must be <= the model's {positions} positions (got {cfg.block_size})"
-        )
-
-
-DATA_FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".parquet")
-
-
-def check_dataset_name(dataset: str) -> None:
-    """--dataset is a local file or folder, or a name for data.py (a hub dataset, a built-in
-    corpus). A value that looks like a path must exist: said at once, rather than after the hub
-    client's retries (26 s offline)."""
-    if dataset == "":
-        raise ConfigError("dataset must not be empty (got '')")
-    if os.path.exists(dataset):
-        return
-    first_part = dataset.split("/")[0]
-    looks_like_a_path = (
-        dataset.startswith(("/", "./", "../", "~"))
-        or dataset.endswith(DATA_FILE_SUFFIXES)
-        or dataset.count("/") > 1
-        or ("/" in dataset and os.path.isdir(first_part))
-    )
-    if not looks_like_a_path:
-        if "/" in dataset:  # owner/name: a hub dataset
-            check_hub_dataset(dataset)
-        return
-    hint = ""
-    if os.path.isdir(first_part):
-        hint = f" (there is a local folder '{first_part}/': a typo in the path?)"
-    raise ConfigError(f"dataset is not an existing file or folder{hint} (got {dataset!r})")
-
-
-def unreadable_data(dataset: str, error: Exception) -> ConfigError:
-    """One line for data that cannot be read, naming the file and line at fault when the reader does not
-    (a local JSON lines file: the first line that does not parse)."""
-    where = ""
-    path = Path(dataset)
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(path.rglob("*.jsonl"))
-    else:
-        files = []
-    for file in (f for f in files if f.suffix == ".jsonl"):
-        line = first_bad_json_line(file)
-        if line:
-            where = f" ({file}, line {line})"
-            break
-    cause = error.__cause__ or error
-    return ConfigError(f"dataset '{dataset}' cannot be read{where}: {first_line(cause)}")
-
-
-def first_bad_json_line(file: Path) -> int | None:
-    with open(file, "rb") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except ValueError:
-                return number
-    return None
-
-
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def check_model_folder(folder: str, model_config) -> None:
-    """A local Hugging Face model folder must hold weights, and (safetensors) weights of the shapes its
-    config.json describes: said in one line now, not as transformers' mismatch table after the process
-    group has started. The model is built on the meta device: no memory, no time."""
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    present = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
-    if not present:
-        raise ConfigError(
-            f"model '{folder}' has a config.json and no weights ({' or '.join(WEIGHT_FILES[::2])}): pass "
-            f"--model_weights config to train its architecture from fresh weights"
-        )
-    if present[0] == "model.safetensors":
-        files = [os.path.join(folder, "model.safetensors")]
-    elif present[0] == "model.safetensors.index.json":
-        index = json.loads(Path(folder, present[0]).read_text())
-        files = sorted({os.path.join(folder, name) for name in index["weight_map"].values()})
-    else:
-        return  # pickled weights: read only by loading them
-    with torch.device("meta"):
-        expected = {
-            k: tuple(v.shape)
-            for k, v in AutoModelForCausalLM.from_config(model_config).state_dict().items()
-        }
-    problems = []
-    for file in files:
-        with safe_open(file, framework="pt") as weights:
-            for key in weights.keys():
-                shape = tuple(weights.get_slice(key).get_shape())
-                if key in expected and expected[key] != shape:
-                    problems.append(f"{key} {list(shape)} vs {list(expected[key])}")
-    if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise ConfigError(
-            f"model '{folder}': its weights do not fit its config.json ({model_config.model_type}): "
-            f"{'; '.join(problems[:3])}{more}"
-        )
-
-
-HUB_TIMEOUT_S = (
-    5  # one question to the hub at start-up, instead of its client's retries (25 s offline)
-)
-
-
-def hub_is_offline() -> bool:
-    return any(
-        os.environ.get(v, "0") not in ("0", "") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
-
-
-def check_hub_dataset(name: str) -> None:
-    """Ask the hub once, in at most HUB_TIMEOUT_S, whether the dataset is there. Not there: one line now.
-    The hub cannot be reached: with a local copy, this process goes on offline (datasets then reads the
-    copy at once); without one, one line now rather than after the client's retries."""
-    if hub_is_offline():
-        return
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    try:
-        HfApi().dataset_info(name, timeout=HUB_TIMEOUT_S)
-        return
-    except RepositoryNotFoundError:
-        raise ConfigError(
-            f"dataset '{name}' is not on the hub (or is private or gated: log in with `hf auth login`)"
-        ) from None
-    except Exception as e:  # no network, a timeout, a proxy: the hub cannot be reached
-        unreachable = first_line(e)
-    owner, repo = name.split("/", 1)
-    cached = [
-        Path(constants.HF_HUB_CACHE) / f"datasets--{owner}--{repo}",
-        Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME) / "datasets"))
-        / f"{owner}___{repo}",
-    ]
-    if not any(folder.exists() for folder in cached):
-        raise ConfigError(
-            f"dataset '{name}' could not be loaded: the hub cannot be reached ({unreachable}) and there is no "
-            f"local copy (set HF_HUB_OFFLINE=1 to use the cache without asking the hub)"
-        )
-    os.environ["HF_HUB_OFFLINE"] = "1"  # read by datasets when it is imported, after this check
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    constants.HF_HUB_OFFLINE = True

@@ -9,13 +9,15 @@ What the rest of train/ uses of it, and nothing else (task.py checks it at start
     eval_metrics(sums) -> {name: float}: the reported metrics (logged as eval_<name>) from those sums.
         Where one of them is "loss", it is checked at start-up against the model's .loss on an eval batch.
     tokens_per_sample(cfg) (optional): a sample's tokens, for tokens/s, tokens_seen and MFU.
+    check_config(cfg) (optional): the model's own checks of the config, run at start-up before anything
+        starts; raise errors.ConfigError naming the key (one line, as the template's own checks do).
     _no_split_modules (a class attribute of the model): the names of the classes of its repeated blocks, as
         Hugging Face models declare them. Needed only for FSDP (one shard unit per block) and
         activation_checkpointing (recomputed block by block); a model without it trains everywhere else.
     flops_per_token() (an optional method of the model): training FLOPs per token, for MFU; else 6 x parameters.
 
 This one is a causal language model: a small GPT-style decoder in plain torch (nanoGPT's, trimmed), or
-with --model NAME a Hugging Face causal LM (a transformers AutoModelForCausalLM fits the contract as it is).
+with --hf_model NAME a Hugging Face causal LM (a transformers AutoModelForCausalLM fits the contract as it is).
 Its evaluation, throughput and tokenizer are lm.py's (per token: loss, accuracy, perplexity). The vocabulary
 comes from the tokenizer the data uses (lm.vocab_size: bytes, or --tokenizer).
 """
@@ -29,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from errors import ConfigError
+
 # the causal LM's evaluation and throughput (task.py's contract): per token
 from lm import (  # noqa: F401 - the template takes them from here
     causal_lm_loss,
@@ -41,8 +45,19 @@ from lm import (  # noqa: F401 - the template takes them from here
 )
 
 
+def check_config(cfg) -> None:
+    """The GPT's own settings (the template checks only its own keys)."""
+    if uses_hub_model(cfg) and cfg.bias:
+        raise ConfigError(
+            "bias applies to the built-in GPT only (a Hugging Face model's own config says whether it "
+            f"has biases) (got {cfg.bias!r})"
+        )
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"n_embd must be divisible by n_head ({cfg.n_head}) (got {cfg.n_embd})")
+
+
 def build_model(cfg) -> nn.Module:
-    """The Hugging Face causal LM --model names, or else the GPT sized by the config (n_layer,
+    """The Hugging Face causal LM --hf_model names, or else the GPT sized by the config (n_layer,
     n_head, n_embd, block_size, dropout, bias)."""
     if uses_hub_model(cfg):
         return hugging_face_model(cfg)

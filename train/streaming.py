@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 import data
+from checks import unreadable_data
 from errors import ConfigError
-from lm import unreadable_data
 from mixture import apportion, spread
 from sources import source_config
 

@@ -13,6 +13,8 @@ yours"):
                                               e.g. accuracy = correct / samples, F1 from counts
               tokens_per_sample(cfg)          optional: a sample's tokens, for tokens/s, tokens_seen
                                               and MFU (without it: samples/s and samples_seen only)
+              check_config(cfg)               optional: the model's own checks of its config keys,
+                                              at start-up (raise errors.ConfigError naming the key)
     data.py   build_datasets(cfg)             (train, eval): map-style datasets of samples
               collate(samples) -> dict        the model's keyword arguments
               packer(cfg)                     only with --streaming (streaming.py packs documents)
@@ -47,11 +49,11 @@ REQUIRED = {
 FORK_FILES = {"model.py", "data.py"}
 
 
-def check_fork_files(streaming: bool) -> None:
+def check_fork_files(cfg) -> None:
     """Every name the template uses is defined in model.py and data.py: a fork that missed one is
-    told which, in one line, before anything starts."""
+    told which, in one line, before anything starts. Then the model's own checks of the config."""
     required = {module: dict(names) for module, names in REQUIRED.items()}
-    if streaming:
+    if cfg.streaming:
         required["data"]["packer"] = "packer(cfg), which packs streamed documents (--streaming)"
     for module_name, names in required.items():
         module = importlib.import_module(module_name)
@@ -61,6 +63,9 @@ def check_fork_files(streaming: bool) -> None:
                     f'train/{module_name}.py defines no {what} (README "Make it yours"; '
                     f"examples/ has one for each task)"
                 )
+    model_checks = getattr(importlib.import_module("model"), "check_config", None)
+    if model_checks is not None:
+        model_checks(cfg)
 
 
 def tokens_per_sample(cfg) -> int | None:

@@ -1,5 +1,5 @@
 """The data of a text classifier: texts with a class label, from local files or a Hugging Face dataset, through
-the tokenizer --tokenizer names (a hub name or a local folder; by default the --model checkpoint's own). Copy
+the tokenizer --tokenizer names (a hub name or a local folder; by default the --hf_model checkpoint's own). Copy
 this file over train/data.py, and its model.py over train/model.py (examples/README.md).
 
     reviews.csv (or .jsonl, .json, .parquet; or a folder of them)      --dataset reviews.csv
@@ -69,7 +69,7 @@ def text_tokenizer(cfg):
     if tokenizer is None:
         raise ConfigError(
             "tokenizer: a text classifier needs a Hugging Face tokenizer: pass --tokenizer NAME_OR_FOLDER "
-            "(e.g. google-bert/bert-base-uncased), or --model CHECKPOINT to use the checkpoint's own"
+            "(e.g. google-bert/bert-base-uncased), or --hf_model CHECKPOINT to use the checkpoint's own"
         )
     return tokenizer
 

@@ -1,9 +1,9 @@
 """A text classifier: a Hugging Face encoder (BERT's architecture) with a classification head, and its task
 (accuracy, F1). Copy this file over train/model.py, and its data.py over train/data.py (examples/README.md).
 
-    --model CHECKPOINT     fine-tune a hub checkpoint (e.g. google-bert/bert-base-uncased) or a local folder;
+    --hf_model CHECKPOINT  fine-tune a hub checkpoint (e.g. google-bert/bert-base-uncased) or a local folder;
                            its tokenizer comes with it
-    (no --model)           a small BERT built from a config sized by n_layer, n_head, n_embd (fresh weights,
+    (no --hf_model)        a small BERT built from a config sized by n_layer, n_head, n_embd (fresh weights,
                            no download), with the tokenizer --tokenizer names
 
 What the template uses of it (train/task.py): build_model, the model's .loss (transformers' cross-entropy
@@ -28,9 +28,9 @@ def build_model(cfg) -> nn.Module:
     from transformers import AutoModelForSequenceClassification, BertConfig
 
     CLASSES[:] = class_names(cfg)
-    if uses_hub_model(cfg):  # --model CHECKPOINT: its weights, a new head for these classes
+    if uses_hub_model(cfg):  # --hf_model CHECKPOINT: its weights, a new head for these classes
         return AutoModelForSequenceClassification.from_pretrained(
-            cfg.model, num_labels=len(CLASSES), dtype=torch.float32
+            cfg.hf_model, num_labels=len(CLASSES), dtype=torch.float32
         )
     config = BertConfig(
         vocab_size=len(text_tokenizer(cfg)),

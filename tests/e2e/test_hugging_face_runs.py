@@ -22,7 +22,7 @@ def test_a_hugging_face_model_trains_on_two_processes_resumes_bitwise_and_export
         return tiny_args(
             out,
             corpus,
-            model=tiny_llama,
+            hf_model=tiny_llama,
             tokenizer=bpe_tokenizer,
             max_steps=8,
             save_every=4,
