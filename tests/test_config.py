@@ -66,7 +66,10 @@ def test_shipped_presets_load():
         (["--dropout", "1.5"], "dropout must be in [0, 1)"),
         (["--compile", "maybe"], "compile must be one of auto, true, false (got 'maybe')"),
         (["--hf_model", "gpt2", "--bias", "true"], "bias applies to the built-in GPT only"),
-        (["--model", "gpt2"], "unknown key 'model' (renamed hf_model: a Hugging Face model's hub name"),
+        (
+            ["--model", "gpt2"],
+            "unknown key 'model' (renamed hf_model: a Hugging Face model's hub name",
+        ),
         (["--lr"], "lr needs a value"),
         (
             ["--lr", "--max_steps", "20"],

@@ -93,7 +93,10 @@ def test_a_hugging_face_model_from_a_folder_pretrained_or_fresh(corpus, bpe_toke
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--hf_model", "nobody/no-such-model"], "hf_model 'nobody/no-such-model' could not be loaded"),
+        (
+            ["--hf_model", "nobody/no-such-model"],
+            "hf_model 'nobody/no-such-model' could not be loaded",
+        ),
         (
             ["--tokenizer", "nobody/no-such-tokenizer"],
             "tokenizer 'nobody/no-such-tokenizer' could not be loaded",

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 import task
-from config import TrainConfig
 from batches import content_digest
+from config import TrainConfig
 from errors import ConfigError
 
 
