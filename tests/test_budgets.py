@@ -8,7 +8,8 @@ The total is advisory: it is printed, not enforced.
 History of the module budgets (physical lines until the reshaping): 1,800 total; +300 job.py and resume.py;
 +200 FSDP and HSDP; +150 Hugging Face models; +150 streaming; +50 fast_reader (2,650). Then counted as code
 lines per module, after the modules were reshaped around the fork's two files; checkpoint.py 450 -> 500
-for the free-space check before a save.
+for the free-space check before a save. config.py 320 -> 360 when the task became the fork's: a fork adds its
+own knobs there (a field and its check each), and its first dozen must not break a budget.
 """
 
 import ast
@@ -23,6 +24,8 @@ BUDGETS = {
     "main.py": 300,  # the loop's file reads in one sitting
     # the format in both directions: four kinds of part, the transaction with its free-space check, export
     "checkpoint.py": 500,
+    # the fields are a list a fork extends with its own knobs
+    "config.py": 360,
 }
 LOOP_BODY = 65  # code lines of train()'s `while` loop
 FUNCTION = 50  # code lines of any other function

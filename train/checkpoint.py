@@ -39,6 +39,7 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from buffers import RankBuffers, ranks_keep_their_own
 from errors import CheckpointError, first_line
 from hangs import patiently
 from plumbing import collectively
@@ -346,13 +347,18 @@ def as_part(value):
 
 def checkpoint_parts(plumbing, model, optimizer, **others) -> dict:
     """The named parts a checkpoint saves and a resume restores: the model and optimizer (sharded
-    under FSDP), the ones given, this process's RNG, and fp16's loss scaler. A fork adds its own in
+    under FSDP), each rank's buffers where the ranks keep their own, the ones given, this process's
+    RNG, and fp16's loss scaler. A fork adds its own in
     one line, before the resume: parts["ema"] = ema_model."""
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
     if is_sharded(module):  # no process holds all of it: each writes its shards
         parts = {"model": Sharded(module), "optimizer": Sharded(module, optimizer)}
     else:
         parts = {"model": Weights(module), "optimizer": Plain(optimizer)}
+    if ranks_keep_their_own(model, plumbing.num_processes):
+        # BatchNorm's running statistics without DDP's broadcast: each rank's own (buffers.py); on
+        # another world size every rank starts from the model part's (rank 0's)
+        parts["buffers"] = PerProcess(RankBuffers(module), bound_to_world_size=False)
     parts.update(others)
     parts["rng"] = PerProcess(ProcessRNG(), bound_to_world_size=False)
     if plumbing.scaler is not None:

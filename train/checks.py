@@ -16,6 +16,16 @@ from errors import ConfigError, first_line
 from lm import uses_hub_model, vocab_size
 
 
+def check_devices(cfg) -> None:
+    """What needs a kind of device this machine lacks."""
+    if cfg.sync_batchnorm and not torch.cuda.is_available():
+        raise ConfigError(
+            "sync_batchnorm needs CUDA GPUs (SyncBatchNorm reduces each batch's statistics over NCCL; "
+            "on CPU the gloo backend cannot run it): leave it off here, broadcast_buffers keeps the "
+            "ranks' statistics rank 0's (got true)"
+        )
+
+
 def check_model_and_tokenizer(cfg) -> None:
     """Resolve a Hugging Face model's config and tokenizer now (small files, or the local cache
     offline): a wrong name, or a tokenizer the model cannot embed, is one line before any process

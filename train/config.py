@@ -177,8 +177,11 @@ class TrainConfig:
     gradient_as_bucket_view: bool = False
     # DDP: all-reduce bucket size; bigger suits fast links, smaller overlaps more of backward
     bucket_cap_mb: int = 25
-    # DDP: copy rank 0's buffers (BatchNorm statistics) to all ranks at each forward
+    # DDP: copy rank 0's buffers (BatchNorm statistics) to all ranks at each forward; false: each
+    # rank keeps and checkpoints its own, evaluated and exported as their mean (train/buffers.py)
     broadcast_buffers: bool = True
+    # BatchNorm's batch statistics over every rank's samples (SyncBatchNorm; CUDA GPUs only)
+    sync_batchnorm: bool = False
     # output_dir and the HF cache are one filesystem all nodes see (NFS, Lustre); false: node-local
     # disks, data prepared and checkpoints kept on every node
     shared_filesystem: bool = True

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
-from checks import check_dataset_name, check_model_and_tokenizer
+from checks import check_dataset_name, check_devices, check_model_and_tokenizer
 from config import TrainConfig, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line
 from hangs import explain as explain_hang
@@ -327,6 +327,7 @@ def load_checked_config(argv) -> TrainConfig:
     cfg = load_config(argv)
     check_fork_files(cfg)  # model.py and data.py define what the template uses
     check_sources(cfg)  # --resume, --init_from
+    check_devices(cfg)  # sync_batchnorm: GPUs only
     # each source of a mixture, or the one dataset
     for path in [source.path for source in cfg.mixture] or [cfg.dataset]:
         check_dataset_name(path)

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 # THE FORK'S: the model, its evaluation and what a sample is worth (task.py lists what is used)
 import model as task
 from batches import TrainBatches, data_identity, data_order, fast_reader
+from buffers import shared_buffers, sync_batchnorm
 from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model, latest_checkpoint
 from compiling import compile_model, compile_wanted
 from compiling import report as compile_report
@@ -159,6 +160,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     eval_loaders = [DataLoader(fast_reader(s), **loader_options(cfg)) for s in eval_sets.values()]
     # ---------------------------------------------------------------- model and optimizer
     model = task.build_model(cfg)
+    if cfg.sync_batchnorm:  # batch statistics over every rank's samples (GPUs: checks.py)
+        model = sync_batchnorm(model)
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
     optimizer = build_optimizer(model, cfg)
@@ -282,9 +285,14 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     # ---------------------------------------------------------------- save
     # the last checkpoint published first: a full disk names the checkpoint, not the export
     checkpointer.finish()
-    path = export_model(
-        accelerator, model, cfg.output_dir, save_extras=lambda folder: save_tokenizer(cfg, folder)
-    )
+    # the buffers (BatchNorm's statistics) the evaluations used: rank 0's, or the ranks' mean
+    with shared_buffers(model, accelerator.num_processes):
+        path = export_model(
+            accelerator,
+            model,
+            cfg.output_dir,
+            save_extras=lambda folder: save_tokenizer(cfg, folder),
+        )
     log.info(f"model: {path}")
     if cfg.eval_tasks:  # lm-evaluation-harness on the export, by the main process (harness.py)
         log.log(state.step, evaluate_export(accelerator, cfg, task.build_model))
@@ -302,13 +310,15 @@ def evaluate(model, eval_loaders: dict, accelerator) -> dict:
     mixture's: over all its sources' eval sets together, and each source's as eval_<metric>/<name>."""
     model.eval()
     sums = {}  # (source, column): the column's sum over the source's eval set
-    for source, eval_loader in eval_loaders.items():
-        for batch in eval_loader:
-            columns = task.eval_columns(model(**batch), batch)  # model.py's: per sample
-            # the sampler pads the last batches so every rank has as many; gather_for_metrics drops
-            # the copies
-            for name, values in accelerator.gather_for_metrics(columns).items():
-                sums[source, name] = sums.get((source, name), 0.0) + values.sum()
+    # every rank evaluates with the buffers the export holds (BatchNorm's statistics; buffers.py)
+    with shared_buffers(model, accelerator.num_processes):
+        for source, eval_loader in eval_loaders.items():
+            for batch in eval_loader:
+                columns = task.eval_columns(model(**batch), batch)  # model.py's: per sample
+                # the sampler pads the last batches so every rank has as many; gather_for_metrics
+                # drops the copies
+                for name, values in accelerator.gather_for_metrics(columns).items():
+                    sums[source, name] = sums.get((source, name), 0.0) + values.sum()
     model.train()
     # one device-to-host copy
     totals = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))

@@ -7,6 +7,8 @@ ranks and batches do not divide:
     - each eval metric equals an independent computation over exactly the eval set, from the export;
     - the W&B offline run holds the task's own metrics;
     - a SIGTERM (checkpoint, exit 75) and a SIGKILL of one rank each resume to the same bits;
+    - BatchNorm with broadcast_buffers off (the image classifier): each rank's statistics resume with it,
+      and the evaluation and the export use the same (the ranks' mean);
     - FSDP2 trains it where the model declares blocks (skipped, with the reason, where not).
 """
 
@@ -192,9 +194,19 @@ def trained(example):
 
 
 def same_bits(run_dir: Path, baseline_dir: Path) -> None:
+    """The same losses, eval metrics and exported weights, to the bit."""
     losses = {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
     expected = {row["step"]: row["loss"] for row in read_metrics(baseline_dir) if "loss" in row}
     assert losses == expected
+    evals, expected_evals = (
+        {
+            row["step"]: row
+            for row in read_metrics(folder)
+            if "eval_accuracy" in row or "eval_loss" in row
+        }
+        for folder in (run_dir, baseline_dir)
+    )
+    assert evals and evals == expected_evals
     weights, baseline = (
         load_weights(run_dir / "model.safetensors"),
         load_weights(baseline_dir / "model.safetensors"),
@@ -278,3 +290,43 @@ def test_fsdp2_trains_it_where_the_model_declares_blocks(example):
     assert len(losses) == 8 and all(np.isfinite(list(losses.values())))
     assert any("eval_f1" in row for row in read_metrics(run_dir))
     assert (run_dir / "model.safetensors").exists()
+
+
+def test_batchnorm_without_broadcast_buffers_resumes_each_rank_s_statistics(tmp_path):
+    """The image classifier with broadcast_buffers off: each rank keeps its own running statistics,
+    checkpointed per rank. A SIGKILL of rank 1 after the step-8 checkpoint and --resume latest end with the
+    same losses, eval metrics and export as the uninterrupted run; the reported eval loss is the export's,
+    computed independently (the ranks' mean statistics, buffers.py)."""
+    example = Example("image_classification", tmp_path)
+    baseline_dir, run_dir = tmp_path / "baseline", tmp_path / "killed"
+    own = {"broadcast_buffers": "false"}
+    launch_accelerate(example.args(baseline_dir, **own), tmp_path, script=example.main).check()
+    saved = [
+        load_weights_pt(baseline_dir / "checkpoints" / "step_00000008" / f"buffers_rank{r}.pt")
+        for r in (0, 1)
+    ]
+    running_means = [name for name in saved[0] if name.endswith("running_mean")]
+    assert running_means and any(not saved[0][n].equal(saved[1][n]) for n in running_means)
+    env = {"FAULT_STEP": 11, "FAULT_ACTION": "sigkill", "FAULT_RANK": 1}
+    env["FAULT_ONCE"] = tmp_path / "once"
+    args = example.args(run_dir, **own)
+    killed = launch_accelerate(args, tmp_path, script=example.faulty, env_extra=env)
+    assert killed.returncode != 0
+    resumed = launch_accelerate([*args, "--resume", "latest"], tmp_path, script=example.main)
+    assert "(step 8)" in resumed.check().output
+    same_bits(run_dir, baseline_dir)
+    result = run(
+        [sys.executable, str(INDEPENDENT_EVAL), str(example.fork), str(baseline_dir)],
+        base_env(tmp_path),
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    independent = json.loads(result.stdout.strip().splitlines()[-1])
+    reported = [row for row in read_metrics(baseline_dir) if "eval_loss" in row][-1]
+    assert reported["eval_loss"] == pytest.approx(independent["loss"], rel=1e-5)
+    assert reported["eval_accuracy"] == pytest.approx(independent["accuracy"], abs=1e-12)
+
+
+def load_weights_pt(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)

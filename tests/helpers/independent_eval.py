@@ -3,7 +3,7 @@ sample at a time (no batching, padding, sharding or gathering), with plain torch
 
     python independent_eval.py FORK_FOLDER RUN_FOLDER    prints {"accuracy": ..., ...} as JSON
 
-Image and text classifiers: accuracy, and per class (image: accuracy/<class>; text: f1/<class>, f1 of the
+Image and text classifiers: the mean loss, accuracy, and per class (image: accuracy/<class>; text: f1/<class>, f1 of the
 second class). Language models: the mean next-token loss over every predicted token of the eval blocks.
 """
 
@@ -28,7 +28,7 @@ _, eval_set = data.build_datasets(cfg)
 model = task.build_model(cfg)
 load_model(model, str(run / "model.safetensors"), strict=False)  # tied weights are stored once
 model.eval()
-labels, predicted, token_losses = [], [], []
+labels, predicted, token_losses, sample_losses = [], [], [], []
 with torch.no_grad():
     for index in range(len(eval_set)):
         batch = data.collate([eval_set[index]])
@@ -36,6 +36,7 @@ with torch.no_grad():
         if logits.dim() == 2:  # a classifier: (1, classes)
             labels.append(int(batch["labels"][0]))
             predicted.append(int(logits[0].argmax()))
+            sample_losses.append(F.cross_entropy(logits, batch["labels"]).double().item())
         else:  # a causal LM: position t predicts token t + 1
             token_losses.append(
                 F.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], reduction="none")
@@ -44,7 +45,10 @@ pairs = list(zip(predicted, labels, strict=True))
 if token_losses:
     print(json.dumps({"loss": torch.cat(token_losses).double().mean().item()}))
     sys.exit(0)
-metrics = {"accuracy": sum(p == y for p, y in pairs) / len(labels)}
+metrics = {
+    "loss": sum(sample_losses) / len(labels),
+    "accuracy": sum(p == y for p, y in pairs) / len(labels),
+}
 for index, name in enumerate(task.CLASSES):
     of_class = [p == y for p, y in pairs if y == index]
     if of_class:
