@@ -70,6 +70,7 @@ def test_shipped_presets_load():
             ["--model", "gpt2"],
             "unknown key 'model' (renamed hf_model: a Hugging Face model's hub name",
         ),
+        (["--sync_batchnorm", "true"], "sync_batchnorm needs CUDA GPUs (SyncBatchNorm reduces"),
         (["--lr"], "lr needs a value"),
         (
             ["--lr", "--max_steps", "20"],

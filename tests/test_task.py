@@ -142,3 +142,18 @@ def test_a_plain_torch_datasets_identity_is_its_samples():
     changed = data.clone()
     changed[7, 1] += 1
     assert content_digest(torch.utils.data.TensorDataset(changed)) != same
+
+
+def test_sync_batchnorm_converts_every_batchnorm_and_refuses_a_model_without_one():
+    from buffers import persistent_buffers, sync_batchnorm
+
+    cnn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    converted = sync_batchnorm(cnn)
+    assert isinstance(converted[1], torch.nn.SyncBatchNorm)
+    assert set(persistent_buffers(converted)) == {
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+    }
+    with pytest.raises(ConfigError, match=r"^sync_batchnorm is on and the model has no BatchNorm"):
+        sync_batchnorm(torch.nn.Linear(2, 2))

@@ -6,10 +6,10 @@ No tokens_per_sample: throughput is samples/s. No _no_split_modules: there is no
 so FSDP and activation_checkpointing are refused in one line; DDP and everything else work.
 
 BatchNorm's running statistics are buffers. Under DDP, `broadcast_buffers` (on by default) copies rank 0's
-to every rank at each forward, so every rank evaluates and exports the same statistics; --sync_batchnorm
-computes the batch statistics over all ranks' samples (GPUs). With broadcast_buffers off, each rank keeps
-its own statistics: each is checkpointed and restored with its rank, and the evaluation and the export use
-each rank's own (rank 0's is exported).
+to every rank at each forward, and every rank evaluates and exports rank 0's; --sync_batchnorm computes the
+batch statistics over all ranks' samples (GPUs). With broadcast_buffers off, each rank keeps its own
+statistics, checkpointed and restored with its rank, and the evaluation and the export use their mean
+(train/buffers.py).
 """
 
 from __future__ import annotations
