@@ -267,8 +267,9 @@ def test_a_preemption_or_a_killed_rank_resumes_to_the_same_bits(example, trained
         env["FAULT_RANK"] = 1
     faulted = launch_accelerate(args, example.root, script=example.faulty, env_extra=env)
     if fault == "sigterm":
-        # each rank exits 75 (the launcher itself reports 1)
-        assert faulted.output.count("exitcode  : 75") == 2, faulted.tail()
+        # a rank exits 75 once the checkpoint is published (the launcher itself reports 1; it may
+        # stop the other rank with its own SIGTERM before that one's exit is seen, after the save)
+        assert "exitcode  : 75" in faulted.output, faulted.tail()
         assert json.loads((run_dir / "preempted.json").read_text())["step"] == 5
     else:
         assert faulted.returncode != 0
