@@ -149,3 +149,40 @@ def test_a_launch_record_holds_the_uncommitted_changes_of_a_dirty_checkout(tmp_p
     spec.loader.exec_module(copy)
     changes = copy.git_changes()
     assert "+# a local change" in changes["git_diff"] and changes["git_untracked"] == ["notes.txt"]
+
+
+def test_the_console_line_says_what_a_person_watches_and_metrics_jsonl_keeps_the_rest():
+    from tracking import run_info_lines, watched
+
+    routine = {"grad_norm": 0.4, "epoch": 0.1, "samples_seen": 80, "step_time_s": 0.2}
+    classifier = {"loss": 0.7, "lr": 1e-3, "samples_per_s": 400.0, **routine}
+    assert list(watched(classifier)) == ["loss", "lr", "samples_per_s"]
+    lm = {**classifier, "tokens_per_s": 9e4, "tokens_seen": 5120, "mfu": 0.4}
+    assert list(watched(lm)) == ["loss", "lr", "tokens_per_s", "mfu"]
+    assert list(watched({**lm, "straggler_rank": 3})) == [
+        "loss",
+        "lr",
+        "tokens_per_s",
+        "mfu",
+        "straggler_rank",
+    ]
+    evaluation = {
+        "eval_loss": 0.5,
+        "eval_accuracy": 0.9,
+        "eval_accuracy/cat": 1.0,
+        "eval_accuracy/dog": 0.8,
+    }
+    assert watched(evaluation) == {
+        "eval_loss": 0.5,
+        "eval_accuracy": 0.9,
+        "+": "2 per class or source in metrics.jsonl",
+    }
+    info = {"output_dir": "runs/run_001", "torch": "2.13.0", "cuda": None, "processes": 2}
+    info |= {"train_samples": 88, "tokens_per_sample": None, "augmentation": "flips"}
+    assert run_info_lines(info) == [
+        "output_dir: runs/run_001",
+        "environment: torch 2.13.0",
+        "job: processes 2",
+        "data: train_samples 88",
+        "augmentation: flips",
+    ]

@@ -416,7 +416,7 @@ def run_geometry(plumbing, cfg) -> dict:
         "world_size": plumbing.num_processes,
         "batch_size": cfg.batch_size,
         "grad_accum_steps": cfg.grad_accum_steps,
-        "global_batch": cfg.batch_size * cfg.grad_accum_steps * plumbing.num_processes,
+        "global_batch": cfg.global_batch(plumbing.num_processes),
         "block_size": cfg.block_size,
         "optimizer": cfg.optimizer,
     }

@@ -199,6 +199,10 @@ class TrainConfig:
     def tokenizer_name(self) -> str:
         return self.tokenizer or self.hf_model or "bytes"
 
+    def global_batch(self, num_processes: int) -> int:
+        """Samples per optimizer step, over all processes: the one place it is computed."""
+        return self.batch_size * self.grad_accum_steps * num_processes
+
     @property
     def decay_steps(self) -> int:
         return self.lr_decay_steps or self.max_steps

@@ -90,20 +90,20 @@ class Watch:
         """Note the phase this rank enters, of the step it is training."""
         self.note.update(step=self.completed + 1, phase=phase)
 
-    def timed(self, phase: str, fn, *args, **kwargs):
-        """Note the phase, and run fn timing it: what this rank does alone (data, forward)."""
+    @contextmanager
+    def timed(self, phase: str):
+        """Note the phase, and time what runs inside: what this rank does alone (data, forward)."""
         self.at(phase)
         if phase == "forward" and torch.cuda.is_available():  # the GPU's time, not the launch's
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            result = fn(*args, **kwargs)
+            yield
             end.record()
             self.gpu_forward_events.append((start, end))
-            return result
+            return
         started = time.perf_counter()
-        result = fn(*args, **kwargs)
+        yield
         self.alone_s[phase] += time.perf_counter() - started
-        return result
 
     def step_done(self, step: int) -> None:
         """After each optimizer step. After the first (data ready, compiled), training's timeout."""

@@ -62,68 +62,6 @@ def main(argv: list[str] | None = None) -> None:
     run_or_exit(train, cfg, build_accelerator)
 
 
-def build_accelerator(cfg: TrainConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import (
-        DataLoaderConfiguration,
-        DistributedDataParallelKwargs,
-        FullyShardedDataParallelPlugin,
-        GradientAccumulationPlugin,
-    )
-
-    if cfg.fsdp != "no":
-        raise ConfigError(
-            "fsdp is torch_ddp.py's switch; main.py shards as its accelerate config says "
-            "(accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train/main.py)"
-        )
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-    fsdp_plugin = None  # accelerate's own, from the accelerate config (or no FSDP)
-    if fsdp and cfg.optimizer == "muon":
-        raise ConfigError(MUON_UNDER_FSDP)
-    if fsdp and os.environ.get("FSDP_VERSION", "1") != "2":
-        raise ConfigError(
-            "accelerate config: set fsdp_version: 2 (FSDP1's state dicts are not the sharded "
-            "checkpoint parts this template saves)"
-        )
-    if fsdp and (cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16":
-        # accelerate's FSDP2 would reduce gradients in bf16 too: in fp32, as the torch path does
-        # (and torchtitan)
-        fsdp_plugin = FullyShardedDataParallelPlugin(
-            mixed_precision_policy=dict(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
-            )
-        )
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # restart-safe (plumbing.py); the Accelerator adopts it
-        init_process_group(cfg.dist_timeout_s)
-
-    accelerator = Accelerator(
-        # Measured: on a machine without a GPU, Accelerator() leaves every launched process
-        # believing it is rank 0 of 1 (N independent trainings writing one folder); cpu=True makes
-        # them a gloo group.
-        cpu=not torch.cuda.is_available(),
-        # None: the launcher's setting (ACCELERATE_MIXED_PRECISION, from the accelerate config)
-        # decides
-        mixed_precision=cfg.mixed_precision or None,
-        # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on the
-        # torch path
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.grad_accum_steps, sync_with_dataloader=False
-        ),
-        # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the
-        # host on each batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with
-        # it)
-        dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
-        kwargs_handlers=[DistributedDataParallelKwargs(**cfg.ddp_options())],
-        fsdp_plugin=fsdp_plugin,
-        log_with=cfg.trackers()
-        or None,  # started later, by MetricsLogger, on the main process only
-        project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
-    )
-    check_world_size(accelerator.num_processes)
-    return accelerator
-
-
 def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the loop: test_budgets bounds it
     """THE training loop; returns the process exit code (0, or StopSignals' code after a signal).
     `accelerator`: an accelerate.Accelerator, or torch_ddp.TorchDDP; what is used of it is
@@ -140,8 +78,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     with cache_filler_goes_first():
         # data.py's datasets; a mixture (--dataset a:0.7,b:0.3): each source's, the train sets joined
         train_set, eval_sets = build_data(cfg, build_datasets)
-    global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
-    check_data_size(train_set, global_batch, cfg)
+    check_data_size(train_set, cfg, accelerator.num_processes)
+    global_batch = cfg.global_batch(accelerator.num_processes)
     identity = data_identity(cfg, train_set)  # what a resume must find unchanged
     # settles output_dir and locks it: one job per run folder
     cfg = claim_run_folder(cfg, accelerator, identity)
@@ -178,7 +116,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     if cfg.streaming:
         batches = stream_batches(train_set, cfg, accelerator)
     else:
-        batches = TrainBatches(train_loader, sampler, cfg.batch_size * accelerator.num_processes)
+        # a micro-step draws the global batch's share of every process
+        batches = TrainBatches(train_loader, sampler, global_batch // cfg.grad_accum_steps)
     # the model's .loss, eval_columns and eval_metrics agree on an eval batch (one line if not)
     check_loss_contract(
         model, first_eval_batch(eval_sets, accelerator.device), task.eval_columns, task.eval_metrics
@@ -222,8 +161,10 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
             with accelerator.accumulate(model):
                 # the watch notes each phase (where a hang is) and times data and forward, what a
                 # rank does alone (a straggler)
-                batch = watch.timed("data", next, batches)
-                loss = watch.timed("forward", model, **batch).loss
+                with watch.timed("data"):
+                    batch = next(batches)
+                with watch.timed("forward"):
+                    loss = model(**batch).loss
                 watch.at("backward")  # DDP's gradient all-reduce runs in it
                 accelerator.backward(loss)  # divides by grad_accum_steps (and scales, for fp16)
                 step_loss += loss.detach() / cfg.grad_accum_steps
@@ -301,6 +242,71 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     return 0
 
 
+# ---------------------------------------------------------------- the plumbing: Accelerate
+
+
+def build_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        FullyShardedDataParallelPlugin,
+        GradientAccumulationPlugin,
+    )
+
+    if cfg.fsdp != "no":
+        raise ConfigError(
+            "fsdp is torch_ddp.py's switch; main.py shards as its accelerate config says "
+            "(accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train/main.py)"
+        )
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    fsdp_plugin = None  # accelerate's own, from the accelerate config (or no FSDP)
+    if fsdp and cfg.optimizer == "muon":
+        raise ConfigError(MUON_UNDER_FSDP)
+    if fsdp and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise ConfigError(
+            "accelerate config: set fsdp_version: 2 (FSDP1's state dicts are not the sharded "
+            "checkpoint parts this template saves)"
+        )
+    if fsdp and (cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16":
+        # accelerate's FSDP2 would reduce gradients in bf16 too: in fp32, as the torch path does
+        # (and torchtitan)
+        fsdp_plugin = FullyShardedDataParallelPlugin(
+            mixed_precision_policy=dict(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
+            )
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # restart-safe (plumbing.py); the Accelerator adopts it
+        init_process_group(cfg.dist_timeout_s)
+
+    accelerator = Accelerator(
+        # Measured: on a machine without a GPU, Accelerator() leaves every launched process
+        # believing it is rank 0 of 1 (N independent trainings writing one folder); cpu=True makes
+        # them a gloo group.
+        cpu=not torch.cuda.is_available(),
+        # None: the launcher's setting (ACCELERATE_MIXED_PRECISION, from the accelerate config)
+        # decides
+        mixed_precision=cfg.mixed_precision or None,
+        # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on the
+        # torch path
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=cfg.grad_accum_steps, sync_with_dataloader=False
+        ),
+        # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the
+        # host on each batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with
+        # it)
+        dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
+        kwargs_handlers=[DistributedDataParallelKwargs(**cfg.ddp_options())],
+        fsdp_plugin=fsdp_plugin,
+        log_with=cfg.trackers()
+        or None,  # started later, by MetricsLogger, on the main process only
+        project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
+    )
+    check_world_size(accelerator.num_processes)
+    return accelerator
+
+
 # ---------------------------------------------------------------- helpers used by train()
 
 
@@ -357,13 +363,12 @@ def first_eval_batch(eval_sets: dict, device) -> dict:
 
 def run_info(cfg: TrainConfig, accelerator, plain_model, train_set, eval_sets) -> dict:
     """What run_info.json and the first log lines say about the run."""
-    global_batch = cfg.batch_size * cfg.grad_accum_steps * accelerator.num_processes
     return {
         "output_dir": cfg.output_dir,
         **environment_info(),
         "processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
-        "global_batch_size": global_batch,
+        "global_batch_size": cfg.global_batch(accelerator.num_processes),
         "tokens_per_sample": tokens_per_sample(cfg),
         "train_samples": "streamed" if cfg.streaming else len(train_set),
         "eval_samples": sum(len(eval_set) for eval_set in eval_sets.values()),
@@ -384,16 +389,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def check_data_size(train_set, global_batch: int, cfg: TrainConfig) -> None:
+def check_data_size(train_set, cfg: TrainConfig, num_processes: int) -> None:
     """A stream has no length: a share too small for one block is said when it runs dry
     (streaming.py)."""
+    global_batch = cfg.global_batch(num_processes)
     if cfg.streaming or len(train_set) >= global_batch:
         return
-    world_size = global_batch // cfg.batch_size // cfg.grad_accum_steps
     raise ConfigError(
-        f"dataset: {len(train_set)} training blocks is too few for one optimizer step at world size "
-        f"{world_size} x batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} = "
-        f"{global_batch} blocks"
+        f"dataset: {len(train_set)} training samples is too few for one optimizer step at world size "
+        f"{num_processes} x batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} = "
+        f"{global_batch} samples"
     )
 
 

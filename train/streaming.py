@@ -181,7 +181,7 @@ class MixedStream:
         self.world_size = plumbing.num_processes
         self.batch_size = cfg.batch_size
         self.device = plumbing.device
-        samples_per_step = cfg.batch_size * cfg.grad_accum_steps * plumbing.num_processes
+        samples_per_step = cfg.global_batch(plumbing.num_processes)
         self.labels = spread(apportion(weights, samples_per_step * self.PASS_STEPS))
         self.micro_batches = 0
 

@@ -78,8 +78,8 @@ class MetricsLogger:
         self.metrics_file = open(path, "a", buffering=1)
         # trackers are finished on every way out, errors included (W&B hangs otherwise)
         atexit.register(self.close)
-        for key, value in run_info.items():
-            self.info(f"{key}: {value}")
+        for line in run_info_lines(run_info):
+            self.info(line)
 
     def start_trackers(self, run_id: str, resumed_step: int) -> None:
         """Start the configured trackers on the main process. W&B: a resumed run rewinds its W&B run
@@ -238,9 +238,13 @@ WATCHED_WITHOUT_TOKENS = ("loss", "lr", "samples_per_s")
 
 def watched(row: dict) -> dict:
     """A training row's watched fields, and anything it says that is not routine (a straggler, a
-    compile); any other row (evaluation, a stop) whole."""
+    compile); an evaluation's overall metrics, not each class's or source's (eval_accuracy/<class>:
+    metrics.jsonl and the trackers keep them); any other row whole."""
     if "grad_norm" not in row:
-        return row
+        said = {k: v for k, v in row.items() if "/" not in k}
+        if len(said) < len(row):
+            said["+"] = f"{len(row) - len(said)} per class or source in metrics.jsonl"
+        return said
     fields = WATCHED if "tokens_per_s" in row else WATCHED_WITHOUT_TOKENS
     routine = {"grad_norm", "epoch", "samples_seen", "tokens_seen", "samples_per_s", "step_time_s"}
     routine |= {"peak_rss_gib", "peak_mem_gib", "tokens_per_s", "mfu"}
@@ -248,6 +252,37 @@ def watched(row: dict) -> dict:
     said = {k: v for k, v in row.items() if k in fields}
     said.update({k: v for k, v in row.items() if k not in routine and k not in said})
     return said
+
+
+# the start-up block: one line per group of run_info.json's keys (all of them: run_info.json)
+RUN_INFO_LINES = {
+    "environment": (
+        "python",
+        "torch",
+        "accelerate",
+        "datasets",
+        "cuda",
+        "nccl",
+        "git",
+        "git_dirty",
+        "host",
+    ),
+    "job": ("processes", "mixed_precision", "global_batch_size", "parameters"),
+    "data": ("train_samples", "eval_samples", "tokens_per_sample"),
+}
+
+
+def run_info_lines(run_info: dict) -> list[str]:
+    """output_dir, then a few lines of `key value` pairs; an unknown value (None) is left out, and a
+    key of a fork's own gets a line of its own."""
+    lines = [f"output_dir: {run_info.get('output_dir')}"]
+    grouped = {key for keys in RUN_INFO_LINES.values() for key in keys} | {"output_dir"}
+    for title, keys in RUN_INFO_LINES.items():
+        pairs = [f"{key} {run_info[key]}" for key in keys if run_info.get(key) is not None]
+        if pairs:
+            lines.append(f"{title}: {', '.join(pairs)}")
+    lines += [f"{key}: {value}" for key, value in run_info.items() if key not in grouped]
+    return lines
 
 
 class Throughput:

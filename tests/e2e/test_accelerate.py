@@ -157,8 +157,8 @@ def test_dataset_too_small_for_one_step(tmp_path):
     run = run_python(tiny_args(out, small, batch_size=16, grad_accum_steps=4), tmp_path)
     assert run.returncode != 0
     assert (
-        "training blocks is too few for one optimizer step at world size 1 x batch_size 16 x "
-        "grad_accum_steps 4 = 64 blocks" in run.output
+        "training samples is too few for one optimizer step at world size 1 x batch_size 16 x "
+        "grad_accum_steps 4 = 64 samples" in run.output
     ), run.tail()
     assert not out.exists()
 
