@@ -1,7 +1,8 @@
-"""Checkpoints: the format, in both directions, and the transaction that writes them.
+"""Checkpoints: the format, in both directions (the transaction that writes them is saving.py's).
 
     <output_dir>/checkpoints/step_00000100/     a committed checkpoint: the files of its parts
-        model.safetensors  optimizer.pt  train_state.json  data.json  rng_rank{r}.pt  [scaler.json]  [ema...]
+        model.safetensors  optimizer.pt  train_state.json  data.json  rng_rank{r}.pt  [buffers_rank{r}.pt]
+        [scaler.json]  [ema...]
         (sharded, FSDP: model/ and optimizer/, torch.distributed.checkpoint folders with a file per process)
         config.yaml (the resolved config)   manifest.json (last: the run's geometry, parts, sizes, checksums)
     <output_dir>/checkpoints/step_00000200.tmp/ being written, or left by a crash: never loaded
@@ -11,11 +12,12 @@ A checkpoint holds named parts. Each part is of one kind, a small class below th
 loads itself, and says what happens on another world size:
     Weights      a module's weights, <name>.safetensors, by the writer
     Sharded      a sharded (FSDP) model's or optimizer's state, <name>/, every process its shards (DCP)
-    PerProcess   a state of each process, <name>_rank{r}.pt (this process's RNG, a stream's position)
+    PerProcess   a state of each process, <name>_rank{r}.pt (this process's RNG, a stream's position, its
+                 BatchNorm statistics where the ranks keep their own: buffers.py)
     Plain        any state_dict() of plain values or tensors, <name>.json or <name>.pt, by the writer
-A save is one transaction: tmp folder, every process writes its parts, all vote (a failure on any process is an
-error on every process, plumbing.collectively), the manifest last, one rename publishes, then older checkpoints
-are pruned. Reading back (load_checkpoint) checks every part before any is changed. Which checkpoint to resume
+A save is one transaction (saving.py: tmp folder, every process writes its parts, all vote, the manifest last,
+one rename publishes, then older checkpoints are pruned; the recovery of a crash between two renames). Here: the
+parts, what a manifest records, reading back, the export and the file helpers. Reading back (load_checkpoint) checks every part before any is changed. Which checkpoint to resume
 and what must match is resume.py's policy. The template owns this format instead of `accelerator.save_state`,
 which writes straight into its final folder, pickles RNG states, and trains on after a refused RNG file.
 """
@@ -406,7 +408,7 @@ def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name[len(STEP_PREFIX) :])
 
 
-# ---------------------------------------------------------------- publish
+# ---------------------------------------------------------------- what a manifest records
 
 
 def run_geometry(plumbing, cfg) -> dict:
@@ -441,59 +443,6 @@ def tensor_bytes(state) -> int:
 
     visit(state)
     return sum(storages.values())
-
-
-def expected_files(parts: dict, ranks: range) -> list[str]:
-    return [file for name, part in parts.items() for file in as_part(part).files(name, ranks)]
-
-
-def publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
-    """Manifest last, then one rename: a checkpoint is either complete under its final name or
-    absent."""
-    missing = [name for name in expected if not (tmp / name).is_file()]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint of step {about['step']} is missing {', '.join(missing)}: is output_dir on a "
-            f"filesystem every node sees? If not, pass --shared_filesystem false"
-        )
-    files = {}
-    for path in sorted(tmp.rglob("*")):
-        if path.is_file():
-            files[str(path.relative_to(tmp))] = {
-                "bytes": path.stat().st_size,
-                "xxh3_64": file_digest(path),
-            }
-    write_file(tmp / MANIFEST, json.dumps({**about, "files": files}, indent=2).encode())
-    if final.exists():  # the same step saved again (a resumed run): keep the old one until the swap
-        stale = final.with_name(final.name + ".stale")
-        os.replace(final, stale)
-        os.replace(tmp, final)
-        shutil.rmtree(stale)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(final.parent)  # the rename itself, durable
-
-
-def recover_interrupted_swap(output_dir: str) -> None:
-    """A crash between publish's two renames leaves step_N.stale (the old committed copy) and no
-    step_N: put it back. Called by the writer at start-up, under the run folder's lock."""
-    for stale in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*.stale"):
-        final = stale.with_suffix("")
-        if final.exists():
-            shutil.rmtree(stale)
-        else:
-            os.replace(stale, final)
-
-
-def prune_checkpoints(output_dir: str, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` committed checkpoints, and leftovers of crashed
-    saves."""
-    for old in committed_checkpoints(output_dir)[:-keep_last]:
-        shutil.rmtree(old)
-    root = checkpoint_root(output_dir)
-    for leftover in [*root.glob("*.tmp"), *root.glob("*.stale")]:
-        # called right after a commit: no save is in flight
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- read back

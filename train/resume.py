@@ -19,11 +19,11 @@ from checkpoint import (
     load_checkpoint,
     load_weights_file,
     read_manifest,
-    recover_interrupted_swap,
     run_geometry,
 )
 from errors import CheckpointError, ConfigError
 from plumbing import collectively, is_writer
+from saving import recover_interrupted_swap
 
 
 def check_sources(cfg) -> None:

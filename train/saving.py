@@ -7,7 +7,7 @@
                          prune
 
 Either way a checkpoint is complete under its final name or absent: the manifest and the rename
-(checkpoint.publish) run only after every process's write has finished and all voted. At most one save
+(publish, below) run only after every process's write has finished and all voted. At most one save
 is in flight: the next save, a stop signal and the end of training first finish it (wait, vote,
 publish). A failed write on any process is an error on every process (plumbing.collectively), and the
 previous checkpoint stays the newest. A crash while a save is in flight leaves step_N.tmp, never
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import json
 import os
 import shutil
 import threading
@@ -34,17 +35,18 @@ import torch.distributed as dist
 import yaml
 
 from checkpoint import (
+    MANIFEST,
     STEP_PREFIX,
     Sharded,
     as_part,
     checkpoint_root,
-    expected_files,
-    prune_checkpoints,
-    publish,
+    committed_checkpoints,
+    file_digest,
+    fsync_dir,
     run_geometry,
     write_file,
 )
-from errors import RunError
+from errors import CheckpointError, RunError
 from hangs import patiently
 from plumbing import collectively, is_writer
 
@@ -283,3 +285,59 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+# ---------------------------------------------------------------- publish, prune, recover
+
+
+def expected_files(parts: dict, ranks: range) -> list[str]:
+    return [file for name, part in parts.items() for file in as_part(part).files(name, ranks)]
+
+
+def publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
+    """Manifest last, then one rename: a checkpoint is either complete under its final name or
+    absent."""
+    missing = [name for name in expected if not (tmp / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint of step {about['step']} is missing {', '.join(missing)}: is output_dir on a "
+            f"filesystem every node sees? If not, pass --shared_filesystem false"
+        )
+    files = {}
+    for path in sorted(tmp.rglob("*")):
+        if path.is_file():
+            files[str(path.relative_to(tmp))] = {
+                "bytes": path.stat().st_size,
+                "xxh3_64": file_digest(path),
+            }
+    write_file(tmp / MANIFEST, json.dumps({**about, "files": files}, indent=2).encode())
+    if final.exists():  # the same step saved again (a resumed run): keep the old one until the swap
+        stale = final.with_name(final.name + ".stale")
+        os.replace(final, stale)
+        os.replace(tmp, final)
+        shutil.rmtree(stale)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)  # the rename itself, durable
+
+
+def recover_interrupted_swap(output_dir: str) -> None:
+    """A crash between publish's two renames leaves step_N.stale (the old committed copy) and no
+    step_N: put it back. Called by the writer at start-up, under the run folder's lock."""
+    for stale in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*.stale"):
+        final = stale.with_suffix("")
+        if final.exists():
+            shutil.rmtree(stale)
+        else:
+            os.replace(stale, final)
+
+
+def prune_checkpoints(output_dir: str, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` committed checkpoints, and leftovers of crashed
+    saves."""
+    for old in committed_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(old)
+    root = checkpoint_root(output_dir)
+    for leftover in [*root.glob("*.tmp"), *root.glob("*.stale")]:
+        # called right after a commit: no save is in flight
+        shutil.rmtree(leftover, ignore_errors=True)
