@@ -17,9 +17,10 @@ loads itself, and says what happens on another world size:
     Plain        any state_dict() of plain values or tensors, <name>.json or <name>.pt, by the writer
 A save is one transaction (saving.py: tmp folder, every process writes its parts, all vote, the manifest last,
 one rename publishes, then older checkpoints are pruned; the recovery of a crash between two renames). Here: the
-parts, what a manifest records, reading back, the export and the file helpers. Reading back (load_checkpoint) checks every part before any is changed. Which checkpoint to resume
-and what must match is resume.py's policy. The template owns this format instead of `accelerator.save_state`,
-which writes straight into its final folder, pickles RNG states, and trains on after a refused RNG file.
+parts, what a manifest records, reading back, the export and the file helpers. Reading back (load_checkpoint)
+checks every part before any is changed. Which checkpoint to resume and what must match is resume.py's policy.
+The template owns this format instead of `accelerator.save_state`, which writes straight into its final folder,
+pickles RNG states, and trains on after a refused RNG file.
 """
 
 from __future__ import annotations
