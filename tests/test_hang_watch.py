@@ -53,3 +53,27 @@ def test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_tim
     assert "straggler_rank" not in shared([[0.001, 0.009], [0.02, 0.01]])
     # costly, but not straggler_factor (2) times slower
     assert "straggler_rank" not in shared([[0.3, 0.1], [0.5, 0.1]])
+
+
+def test_a_save_or_the_export_waits_the_long_timeout_and_training_gets_step_timeout_back(
+    monkeypatch,
+):
+    """Around a save (hangs.patiently): dist_timeout_s for a slow write on one rank; after it, also
+    when the save fails, the collectives' timeout is step_timeout_s again, so a hang after the first
+    checkpoint is named as quickly as one before it."""
+    set_to = []
+    monkeypatch.setattr(hangs, "set_collective_timeout", set_to.append)
+    monkeypatch.setattr(hangs, "_watch", None)  # the watch made here is gone after the test
+    watch = watch_of(2, {}, step_timeout_s=60, dist_timeout_s=1800)
+    watch.store = object()  # as with a process group
+    watch.step_done(1)  # after the first step: training's timeout
+    assert set_to == [60]
+    with hangs.patiently("a checkpoint save"):
+        assert set_to[-1] == 1800 and watch.note["phase"] == "a checkpoint save"
+    assert set_to[-1] == 60 and watch.note["phase"] != "a checkpoint save"
+    try:
+        with hangs.patiently("the export"):
+            raise OSError("disk full")
+    except OSError:
+        pass
+    assert set_to == [60, 1800, 60, 1800, 60]

@@ -147,3 +147,54 @@ def test_an_unknown_task_or_task_path_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="the task path is not an existing file or folder"):
         harness.check_tasks("eval_tasks", ["tiny_mc"], str(tmp_path / "absent"))
     harness.check_tasks("eval_tasks", ["tiny_mc"], str(tmp_path))  # found: no error
+
+
+@needs_harness
+@pytest.mark.shipped  # the shipped GPT over bytes
+def test_rolling_log_likelihood_scores_every_token_once_with_the_context_its_window_allows():
+    """Perplexity tasks (loglikelihood_rolling): a text of 21 bytes through a block of 8 is three
+    disjoint windows; each token is scored once, after the up to 8 tokens before it (a newline, the
+    end of a document, before the first). By hand: the same sums from plain forward passes."""
+    from types import SimpleNamespace
+
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    torch.manual_seed(2)
+    model = build_model(cfg).eval()
+    lm = harness.HarnessLM(model, None, block_size=8)
+    text = "rolling windows, once"
+    tokens = list(text.encode())
+    stream = [ord("\n"), *tokens]  # stream[j + 1] is tokens[j]
+    by_hand = 0.0
+    with torch.no_grad():
+        for start in range(0, len(tokens), 8):
+            end = min(start + 8, len(tokens))  # this window scores tokens[start:end]
+            first = max(0, end - 8)
+            log_probs = model(input_ids=torch.tensor([stream[first:end]])).logits[0].log_softmax(-1)
+            by_hand += sum(log_probs[j - first, stream[j + 1]].item() for j in range(start, end))
+    (rolling,) = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])
+    assert rolling == pytest.approx(by_hand, rel=1e-5)
+
+
+@needs_harness
+@pytest.mark.shipped
+def test_generation_is_greedy_within_the_block_and_stops_at_the_first_until_string():
+    from types import SimpleNamespace
+
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    torch.manual_seed(3)
+    model = build_model(cfg).eval()
+    lm = harness.HarnessLM(model, None, block_size=8)
+    context = "def generate"
+    window = list(context.encode())
+    expected = []
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(input_ids=torch.tensor([window[-8:]])).logits
+            expected.append(int(logits[0, -1].argmax()))
+            window.append(expected[-1])
+    request = SimpleNamespace(args=(context, {"until": [], "max_gen_toks": 6}))
+    (generated,) = lm.generate_until([request])
+    assert generated == bytes(expected).decode("utf-8", errors="replace")
+    stop = generated[3]
+    request = SimpleNamespace(args=(context, {"until": [stop], "max_gen_toks": 6}))
+    assert lm.generate_until([request]) == [generated.split(stop)[0]]

@@ -179,3 +179,30 @@ def test_a_resume_with_other_weights_or_sources_is_refused_in_one_line(tmp_path)
         message = str(error.value)
         assert f"dataset 'x/a.jsonl:0.7,y/b.jsonl:0.3' -> '{other}'" in message, message
         assert "--init_from" in message and "\n" not in message
+
+
+def test_each_source_is_built_with_its_own_split_configuration_and_text_column():
+    """data.py sees each source of a mixture as a single dataset: its path, configuration, split and
+    text column in the keys it reads, a source without its own taking the run's."""
+    flow = (
+        "[{path: owner/books, config: en, split: validation, text_column: body, weight: 0.7},"
+        " {path: owner/web, weight: 0.3}]"
+    )
+    cfg = TrainConfig(
+        dataset=load_config(["--dataset", flow]).dataset, dataset_split="train", text_column="text"
+    )
+    seen = {}
+
+    def build_datasets(source_cfg):
+        seen[source_cfg.dataset] = (
+            source_cfg.dataset_config,
+            source_cfg.dataset_split,
+            source_cfg.text_column,
+        )
+        return [0] * 10, [0] * 2
+
+    build_data(cfg, build_datasets)
+    assert seen == {
+        "owner/books": ("en", "validation", "body"),
+        "owner/web": ("", "train", "text"),
+    }

@@ -75,6 +75,33 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert muon_groups[0]["lr"] == pytest.approx(cfg.muon_lr * cfg.min_lr / cfg.lr)
 
 
+def test_each_optimizer_gets_its_own_hyperparameters_from_the_config():
+    """Muon's groups take muon_momentum and muon_weight_decay, AdamW's take beta1, beta2 and
+    weight_decay (none on 1-D tensors): set apart so that a swap of any two shows."""
+    cfg = TrainConfig(
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        block_size=8,
+        optimizer="muon",
+        bias=True,
+        weight_decay=0.123,
+        muon_weight_decay=0.0456,
+        muon_momentum=0.789,
+        beta1=0.81,
+        beta2=0.97,
+    )
+    optimizer = build_optimizer(build_model(cfg), cfg)
+    (muon_group,) = optimizer.muon.param_groups
+    assert muon_group["weight_decay"] == 0.0456 and muon_group["momentum"] == 0.789
+    decays = sorted(group["weight_decay"] for group in optimizer.adamw.param_groups)
+    assert decays == [0.0, 0.123]
+    assert all(group["betas"] == (0.81, 0.97) for group in optimizer.adamw.param_groups)
+    for group in optimizer.adamw.param_groups:
+        undecayed = group["weight_decay"] == 0.0
+        assert all((p.dim() < 2) == undecayed for p in group["params"])
+
+
 @pytest.mark.shipped  # the shipped GPT's blocks
 def test_muon_with_adamw_saves_and_loads_as_one_optimizer():
     cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, optimizer="muon")

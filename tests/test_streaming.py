@@ -170,3 +170,44 @@ def test_one_packer_makes_every_block_map_style_and_streamed(corpus, monkeypatch
     after = blocks_of(map_cfg) + blocks_of(stream_cfg)
     for old, new in zip(before, after, strict=True):
         assert torch.equal(new.long(), old.long().flip(-1))
+
+
+class CountingStream:
+    """A source's stream for MixedStream: block k of it holds (source, k)."""
+
+    def __init__(self, source: int):
+        self.source = source
+        self.drawn = 0
+        self.epoch = 0
+
+    def next_block(self):
+        self.drawn += 1
+        return (0, self.drawn), np.array([self.source, self.drawn, 0, 0], dtype=np.int64)
+
+    def state_dict(self):
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state):
+        self.drawn = state["drawn"]
+
+
+def test_a_mixed_stream_restored_from_its_state_draws_exactly_what_the_original_draws_next():
+    """Unequal weights (0.7/0.3), whose draw pattern depends on where the stream stands: the restored
+    mixture continues with the same sources, and each source's stream where it stopped."""
+    from streaming import MixedStream
+
+    cfg = load_config(["--batch_size", "4"])
+
+    def mixture():
+        streams = {"web": CountingStream(0), "code": CountingStream(1)}
+        return MixedStream(streams, [0.7, 0.3], cfg, process(0))
+
+    original = mixture()
+    for _ in range(5):
+        next(original)
+    saved = io.BytesIO()
+    torch.save(original.state_dict(), saved)
+    expected = [next(original)["input_ids"][:, :2].tolist() for _ in range(6)]
+    restored = mixture()
+    restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    assert [next(restored)["input_ids"][:, :2].tolist() for _ in range(6)] == expected

@@ -129,7 +129,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
 
 def test_a_launch_record_holds_the_uncommitted_changes_of_a_dirty_checkout(tmp_path):
     """git_changes reads the checkout the template runs from: here a copy in a fresh repository, changed
-    after its commit, with one file git does not know yet."""
+    after its commit (one change staged with git add, one not), with one file git does not know yet."""
     import importlib.util
     import subprocess
 
@@ -139,6 +139,8 @@ def test_a_launch_record_holds_the_uncommitted_changes_of_a_dirty_checkout(tmp_p
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    (tmp_path / "train" / "staged.py").write_text("# a staged change\n")
+    subprocess.run([*git, "add", "train/staged.py"], check=True)
     with open(tmp_path / "train" / "provenance.py", "a") as changed:
         changed.write("# a local change\n")
     (tmp_path / "notes.txt").write_text("not committed")
@@ -149,6 +151,7 @@ def test_a_launch_record_holds_the_uncommitted_changes_of_a_dirty_checkout(tmp_p
     spec.loader.exec_module(copy)
     changes = copy.git_changes()
     assert "+# a local change" in changes["git_diff"] and changes["git_untracked"] == ["notes.txt"]
+    assert "+# a staged change" in changes["git_diff"], "a staged change is missing from the record"
 
 
 def test_the_console_line_says_what_a_person_watches_and_metrics_jsonl_keeps_the_rest():

@@ -74,4 +74,4 @@ def test_a_hugging_face_model_trains_on_two_processes_resumes_bitwise_and_export
     assert tokenizer.eos_token == source.eos_token
     saved = yaml.safe_load((tmp_path / "full" / "config.yaml").read_text())
     # as given
-    assert saved["model"] == str(tiny_llama) and saved["tokenizer"] == str(bpe_tokenizer)
+    assert saved["hf_model"] == str(tiny_llama) and saved["tokenizer"] == str(bpe_tokenizer)
