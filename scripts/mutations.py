@@ -1,0 +1,275 @@
+"""Break the template on purpose, one realistic line at a time, and see which tests notice.
+
+    python scripts/mutations.py                 every break below, then a table: caught or not
+    python scripts/mutations.py --only NAME ... those breaks only (a name's start is enough)
+    python scripts/mutations.py --quick         the breaks whose tests are in the quick tier
+    python scripts/mutations.py --list          the breaks and their tests
+
+A test that stays green when the behaviour it names is broken tells the next person that behaviour is
+safe. For each break: a copy of the repository's files (tracked and new, not ignored: `git ls-files`)
+in a temporary folder, the one edit applied to it (its text must be found exactly once: a break whose
+line has moved is reported as such, never skipped), then `python -m pytest -x -q` on the tests that
+claim the behaviour, in that copy. "caught" means they turned red; "MISSED" is a gap to close with a
+test that fails under that break.
+
+Not part of the default test run (the e2e breaks take a minute each): run it after a change to what
+the tests cover, and add a row when you add a promise. Exit code: 1 if any break was missed or could
+not be applied, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600  # per break
+
+
+@dataclass(frozen=True)
+class Break:
+    name: str  # what is broken, as a person would say it
+    file: str  # relative to the repository
+    old: str  # the exact text, found once
+    new: str
+    tests: tuple[str, ...]  # pytest node ids, relative to the repository
+    quick: bool = True  # its tests are in the quick tier (not marked slow)
+
+
+BREAKS = (
+    Break(
+        "data identity: only the validity and offsets buffers are hashed, never the token values",
+        "train/batches.py",
+        "for buffer in chunk.buffers():",
+        "for buffer in chunk.buffers()[:2]:",
+        ("tests/test_data.py::test_the_data_identity_follows_the_text_and_nothing_else",),
+    ),
+    Break(
+        "a streamed mixture's position is not restored on resume",
+        "train/streaming.py",
+        '        self.micro_batches = state["micro_batches"]\n',
+        "",
+        (
+            "tests/test_streaming.py::test_a_mixed_stream_restored_from_its_state_draws_exactly_what_"
+            "the_original_draws_next",
+        ),
+    ),
+    Break(
+        "the step timeout is not restored after a save's long timeout",
+        "train/hangs.py",
+        "        finally:\n            if self.training and self.store is not None:\n"
+        "                set_collective_timeout(self.cfg.step_timeout_s)\n",
+        "        finally:\n",
+        (
+            "tests/test_hang_watch.py::test_a_save_or_the_export_waits_the_long_timeout_and_training_"
+            "gets_step_timeout_back",
+        ),
+    ),
+    Break(
+        "Muon gets AdamW's weight decay",
+        "train/optim.py",
+        "weight_decay=cfg.muon_weight_decay,",
+        "weight_decay=cfg.weight_decay,",
+        (
+            "tests/test_schedule.py::test_each_optimizer_gets_its_own_hyperparameters_from_the_config",
+        ),
+    ),
+    Break(
+        "compile: the whole model as one graph, not block by block",
+        "train/compiling.py",
+        "    for block in blocks:\n        block.compile()\n",
+        "    plain_model.compile()\n",
+        (
+            "tests/test_model.py::test_compile_makes_each_block_a_region_of_its_own_and_a_model_"
+            "without_blocks_one",
+        ),
+    ),
+    Break(
+        "lm-evaluation-harness: rolling log-likelihood over overlapping windows",
+        "train/harness.py",
+        "pairs = [make_disjoint_window(window) for window in windows]",
+        "pairs = list(windows)",
+        (
+            "tests/test_harness.py::test_rolling_log_likelihood_scores_every_token_once_with_the_"
+            "context_its_window_allows",
+        ),
+    ),
+    Break(
+        "a mixture source's own split is ignored",
+        "train/sources.py",
+        "dataset_split=source.split or cfg.dataset_split,",
+        "dataset_split=cfg.dataset_split,",
+        (
+            "tests/test_mixture.py::test_each_source_is_built_with_its_own_split_configuration_and_"
+            "text_column",
+        ),
+    ),
+    Break(
+        "the launch record misses staged changes (git diff, not git diff HEAD)",
+        "train/provenance.py",
+        'diff = git("diff", "HEAD")',
+        'diff = git("diff")',
+        (
+            "tests/test_tracking.py::test_a_launch_record_holds_the_uncommitted_changes_of_a_dirty_"
+            "checkout",
+        ),
+    ),
+    Break(
+        "a background save stages the live tensors, not a copy",
+        "train/checkpoint.py",
+        'return value.detach().to("cpu", copy=True)',
+        'return value.detach().to("cpu")',
+        (
+            "tests/test_saving.py::test_a_background_save_holds_the_state_of_its_step_while_training_"
+            "changes_it",
+        ),
+    ),
+    Break(
+        "keep_last keeps one checkpoint too many",
+        "train/saving.py",
+        "for old in committed_checkpoints(output_dir)[:-keep_last]:",
+        "for old in committed_checkpoints(output_dir)[: -keep_last - 1]:",
+        (
+            "tests/test_checkpoint.py::test_keep_last_prunes_after_commit_and_latest_ignores_partial_"
+            "folders",
+        ),
+    ),
+    Break(
+        "the data order is the same every epoch",
+        "train/batches.py",
+        "generator = torch.Generator().manual_seed(self.seed + self.epoch)",
+        "generator = torch.Generator().manual_seed(self.seed)",
+        (
+            "tests/test_batches.py::test_epoch_sampler_is_a_seeded_permutation_per_epoch_cut_to_whole_"
+            "global_batches",
+        ),
+    ),
+    Break(
+        "the loss contract is not checked",
+        "train/task.py",
+        '    reported = metrics.get("loss")\n',
+        "    reported = None\n",
+        ("tests/test_task.py",),
+    ),
+    Break(
+        "loader workers die of a preemption's SIGTERM (finding 12)",
+        "train/job.py",
+        "    if not num_workers:\n        return {}",
+        "    if True:\n        return {}",
+        ("tests/test_stop_signals.py",),
+    ),
+    Break(
+        "each rank's BatchNorm statistics are not checkpointed (broadcast_buffers off)",
+        "train/buffers.py",
+        '    return not getattr(prepared_model, "broadcast_buffers", False)',
+        "    return False",
+        (
+            "tests/e2e/test_examples.py::test_batchnorm_without_broadcast_buffers_resumes_each_rank_s_"
+            "statistics",
+        ),
+        quick=False,
+    ),
+    Break(
+        "each rank evaluates with its own BatchNorm statistics, not the export's",
+        "train/buffers.py",
+        "    if num_processes == 1 or not buffers:\n        yield",
+        "    if True:\n        yield",
+        (
+            "tests/e2e/test_examples.py::test_batchnorm_without_broadcast_buffers_resumes_each_rank_s_"
+            "statistics",
+        ),
+        quick=False,
+    ),
+    Break(
+        "the RNG is not part of a checkpoint",
+        "train/checkpoint.py",
+        '    parts["rng"] = PerProcess(ProcessRNG(), bound_to_world_size=False)\n',
+        "",
+        ("tests/test_checkpoint.py::test_round_trip_restores_every_part",),
+    ),
+)
+
+
+def repository_copy(into: Path) -> Path:
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for name in listed.stdout.splitlines():
+        source = REPO / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    return into
+
+
+def apply(copy: Path, broken: Break) -> str | None:
+    """The edit, or why it cannot be made."""
+    path = copy / broken.file
+    text = path.read_text()
+    found = text.count(broken.old)
+    if found != 1:
+        return f"its text is found {found} times in {broken.file} (the line moved: update the row)"
+    path.write_text(text.replace(broken.old, broken.new))
+    return None
+
+
+def run(broken: Break) -> tuple[str, float]:
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mutation-") as folder:
+        copy = repository_copy(Path(folder))
+        problem = apply(copy, broken)
+        if problem:
+            return f"NOT APPLIED: {problem}", 0.0
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+        try:
+            result = subprocess.run(
+                [*command, *broken.tests], cwd=copy, capture_output=True, timeout=TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return f"caught (its tests ran past {TIMEOUT_S} s)", time.perf_counter() - started
+    if result.returncode == 5:
+        return "NOT RUN: pytest found none of its tests (renamed?)", time.perf_counter() - started
+    verdict = "caught" if result.returncode != 0 else "MISSED"
+    return verdict, time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", default=[], help="breaks whose names start so")
+    parser.add_argument("--quick", action="store_true", help="only breaks tested in the quick tier")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    chosen = [
+        b
+        for b in BREAKS
+        if (not args.only or any(b.name.startswith(o) for o in args.only))
+        and (b.quick or not args.quick)
+    ]
+    if args.list:
+        for broken in chosen:
+            print(f"{broken.name}\n    {broken.file}\n    " + "\n    ".join(broken.tests))
+        return 0
+    rows = []
+    for broken in chosen:
+        verdict, seconds = run(broken)
+        rows.append((broken, verdict, seconds))
+        print(f"{verdict:<8} {seconds:6.1f} s  {broken.name}", flush=True)
+    print("\n| break | file | tests | result |\n|---|---|---|---|")
+    for broken, verdict, seconds in rows:
+        tests = ", ".join(test.split("::")[-1] for test in broken.tests)
+        print(f"| {broken.name} | {broken.file} | {tests} | {verdict} ({seconds:.0f} s) |")
+    return 0 if all(verdict.startswith("caught") for _, verdict, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
