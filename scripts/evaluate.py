@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         step, scores, _ = harness.evaluate_folder(
             args.folder, build_model, tasks, args.task_path, args.limit or None, args.device
         )
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    except ConfigError as e:  # a bad input, exit 2, as the training refuses one
+        print(f"error: {e}", file=sys.stderr)  # noqa: T201 - the script's one line
+        sys.exit(e.exit_code)
     for name, value in scores.items():
         print(f"{name}: {value:.4f}")  # noqa: T201 - the script's output
     log_to_wandb(args.folder, step, scores)
