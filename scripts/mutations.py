@@ -172,6 +172,15 @@ BREAKS = (
         ("tests/test_stop_signals.py",),
     ),
     Break(
+        "a dead loader worker is a traceback, not one line (finding 13)",
+        "train/job.py",
+        "        if dead_loader_worker(e):\n            exit_with_error(dead_loader_worker(e))\n",
+        "",
+        (
+            "tests/test_stop_signals.py::test_a_loader_worker_killed_from_outside_is_one_line_and_exit_1",
+        ),
+    ),
+    Break(
         "each rank's BatchNorm statistics are not checkpointed (broadcast_buffers off)",
         "train/buffers.py",
         '    return not getattr(prepared_model, "broadcast_buffers", False)',

@@ -10,6 +10,7 @@ with Python's defaults; and `forkserver` (3.14's default), where its parent is t
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import job
+from conftest import REPO
 
 STOPS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -68,3 +70,34 @@ def test_a_loader_worker_still_ends_on_its_own_process_sigterm(start_method, mon
     worker.join(timeout=5)
     assert worker.exitcode == 0, "a loader worker did not end on its own process's SIGTERM"
     batches._shutdown_workers()
+
+
+def test_a_loader_worker_killed_from_outside_is_one_line_and_exit_1(tmp_path):
+    """The out-of-memory killer's SIGKILL to a DataLoader worker (here the worker kills itself on its
+    third sample): job.run_or_exit turns torch's RuntimeError into one `error:` line, exit 1."""
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'train')!r})\n"
+        "import torch\n"
+        "from torch.utils.data import DataLoader\n"
+        "import job\n"
+        "class Dies(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 100\n"
+        "    def __getitem__(self, index):\n"
+        "        if index == 2:\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        return index\n"
+        "def train(cfg, plumbing):\n"
+        "    for _ in DataLoader(Dies(), num_workers=1):\n"
+        "        pass\n"
+        "job.run_or_exit(train, None, lambda cfg: None)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: DataLoader worker (pid "), lines
+    assert "out-of-memory killer" in lines[0] and "--resume latest" in lines[0]

@@ -355,6 +355,8 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
     except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem
         exit_with_error(e)
     except RuntimeError as e:
+        if dead_loader_worker(e):
+            exit_with_error(dead_loader_worker(e))
         if not lost_a_peer(e):
             raise  # a bug: its traceback is the useful output
         hang = explain_hang(e)  # which ranks did not arrive, and where each one was
@@ -395,6 +397,18 @@ def exit_after_flush(code: int) -> None:
     tearing down a process group whose peer is gone (that can hang)."""
     atexit._run_exitfuncs()
     os._exit(code)
+
+
+def dead_loader_worker(error: RuntimeError) -> RunError | None:
+    """A DataLoader worker killed from outside (the out-of-memory killer's SIGKILL, most often):
+    torch's RuntimeError, as one line that says what to do."""
+    message = first_line(error).rstrip(".")
+    if not message.startswith("DataLoader worker (pid"):
+        return None
+    return RunError(
+        f"{message}: a data loader worker died, most often of the out-of-memory killer (fewer "
+        f"--num_workers, or less memory per sample); the last checkpoint is intact: --resume latest"
+    )
 
 
 def lost_a_peer(error: RuntimeError) -> bool:
