@@ -59,6 +59,11 @@ def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_
     launch_accelerate(tiny_args(eager, corpus, compile="false", **STEPS), tmp_path).check()
     assert_close(losses(whole), losses(eager))
     assert not compile_counts(eager)  # eager: nothing compiled, nothing reported
+    if not compile_counts(whole) and not model_declares_blocks():
+        pytest.skip(
+            "this model compiled no graph (dynamo runs it eager: e.g. an nn.GRU): no compiled code to keep"
+        )
+    assert compile_counts(whole), "a compiled run reported no compiled graph (compile_graphs_*)"
     assert (whole / "compile_cache").is_dir()
     first_row = compile_counts(whole)[0]
     assert first_row[1] > 0 and first_row[2] == 0  # cold: every graph compiled

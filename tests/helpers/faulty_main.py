@@ -26,7 +26,8 @@ Environment variables, each optional, read once at start-up:
                           stays in flight for the next logging steps (only the FAULT_SAVE_NUMBER-th, if set)
     FAULT_HANG_BATCH=n    this rank's n-th micro-batch never comes (a stalled loader): the others wait in their
                           next collective
-    FAULT_SLOW_DATA_S=s   every batch comes s seconds late on this rank (a straggler)
+    FAULT_SLOW_DATA_S=s   every batch comes late on this rank (a straggler): s seconds, or 3 times the rank's own
+                          time between two batches if longer (a slow model's step)
     RECORD_SAMPLES=dir    each rank writes the train sample indices (streaming: block ids) it drew to dir/rank{r}.json
     RECORD_EXIT=dir       each rank writes the code it exits with to dir/rank{r}.json (a launcher stopped
                           by a signal reports none)
@@ -234,22 +235,28 @@ def slow_background_writes(seconds: float) -> None:
     saving.write_part = write_part
 
 
-def delay_batches(seconds: float, from_call: int = 1) -> None:
-    """Each micro-batch from the from_call-th on comes `seconds` late on this rank."""
+def delay_batches(seconds: float, from_call: int = 1, times_own_step: float = 0.0) -> None:
+    """Each micro-batch from the from_call-th on comes late on this rank: `seconds` late, or
+    `times_own_step` times this rank's own time between two batches (its forward, backward and
+    step), whichever is longer, so that any model, fast or slow, lags by more than the straggler
+    rule's factor."""
     import time
 
     from batches import TrainBatches
     from streaming import StreamBatches
 
-    calls = {"n": 0}
+    calls = {"n": 0, "returned": None}
     is_armed = armed()
 
     def late(original):
         def next_batch(self):
             calls["n"] += 1
             if is_armed and calls["n"] >= from_call:
-                time.sleep(seconds)
-            return original(self)
+                own = 0.0 if calls["returned"] is None else time.perf_counter() - calls["returned"]
+                time.sleep(max(seconds, times_own_step * own))
+            batch = original(self)
+            calls["returned"] = time.perf_counter()
+            return batch
 
         return next_batch
 
@@ -354,7 +361,7 @@ if __name__ == "__main__":
     if "FAULT_HANG_BATCH" in os.environ:
         delay_batches(1e9, from_call=int(os.environ["FAULT_HANG_BATCH"]))
     if "FAULT_SLOW_DATA_S" in os.environ:
-        delay_batches(float(os.environ["FAULT_SLOW_DATA_S"]))
+        delay_batches(float(os.environ["FAULT_SLOW_DATA_S"]), times_own_step=3.0)
     if "RECORD_SAMPLES" in os.environ:
         record_samples(os.environ["RECORD_SAMPLES"])
     entry = main.main
