@@ -138,6 +138,16 @@ BREAKS = (
         ("tests/test_saving.py::test_a_background_save_frees_its_staged_copy_once_committed",),
     ),
     Break(
+        "a full disk is judged by the free space after the failure only (finding 16)",
+        "train/saving.py",
+        "        seen = seen.__cause__ or seen.__context__\n",
+        "        seen = None\n",
+        (
+            "tests/test_saving.py::test_a_full_disk_is_recognised_by_the_error_whatever_space_is_"
+            "free_afterwards",
+        ),
+    ),
+    Break(
         "keep_last keeps one checkpoint too many",
         "train/saving.py",
         "for old in committed_checkpoints(output_dir)[:-keep_last]:",

@@ -130,3 +130,14 @@ def test_a_background_save_frees_its_staged_copy_once_committed(tmp_path, monkey
         gc.enable()
     assert staged[1] and staged[2], "the saves staged no tensors"
     assert alive == {1: 0, 2: 0, 3: 0}, f"staged tensors still held, per save: {alive}"
+
+
+def test_a_full_disk_is_recognised_by_the_error_whatever_space_is_free_afterwards(tmp_path):
+    """torch.save's and safetensors' own words for a full disk, while the folder has room again (another
+    rank's cleanup freed it): the line still says no space, not the serializer's message."""
+    chained = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    chained.__context__ = OSError(28, "No space left on device")
+    said_so = Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert saving.out_of_space(chained, tmp_path)
+    assert saving.out_of_space(said_so, tmp_path)
+    assert not saving.out_of_space(RuntimeError("unexpected pos 704 vs 598"), tmp_path)

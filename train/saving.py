@@ -274,8 +274,18 @@ def free_bytes(folder: Path) -> int:
 
 
 def out_of_space(error: Exception, folder: Path) -> bool:
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
+    """Whether a failed write failed for space. By the error itself first: torch.save's serializer
+    raises a RuntimeError ("unexpected pos") with the file's OSError chained to it, safetensors says
+    "os error 28" in its message. Free space measured after the failure is only the last resort: by
+    then another rank's cleanup may have freed some (the cause of a raw message in a third of the
+    full-disk runs, before)."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
     return free_bytes(folder) < (1 << 20)  # a write that failed on a full disk, whatever it said
 
 
