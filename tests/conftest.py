@@ -189,12 +189,18 @@ def launch(cmd: list[str], env: dict, timeout: float, output_dir: Path | None) -
     folder, with a warning. Measured here: about one launch in several hundred has a worker abort with no Python
     error (gloo over this sandbox's network stack); a crash of the template's own would crash again."""
     before = None
+    can_run_again = True
     if output_dir is not None and output_dir.exists():
         before = Path(tempfile.mkdtemp(prefix="before-launch-")) / "run"
-        shutil.copytree(output_dir, before, symlinks=True)
+        try:
+            shutil.copytree(output_dir, before, symlinks=True)
+        except shutil.Error:  # another live job is writing the folder (a save renamed mid-copy)
+            before, can_run_again = None, False  # no snapshot to start a second launch from
     result = Run(run(cmd, env, timeout), output_dir)
-    if result.returncode == 0 or not (
-        result.returncode in (-6, -11) or CRASH_EXIT.search(result.output)
+    if (
+        result.returncode == 0
+        or not can_run_again
+        or not (result.returncode in (-6, -11) or CRASH_EXIT.search(result.output))
     ):
         return result
     warnings.warn(
