@@ -157,10 +157,7 @@ def test_rolling_log_likelihood_scores_every_token_once_with_the_context_its_win
     end of a document, before the first). By hand: the same sums from plain forward passes."""
     from types import SimpleNamespace
 
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
-    torch.manual_seed(2)
-    model = build_model(cfg).eval()
-    lm = harness.HarnessLM(model, None, block_size=8)
+    model, lm = tiny_gpt_and_its_harness_lm(seed=2)
     text = "rolling windows, once"
     tokens = list(text.encode())
     stream = [ord("\n"), *tokens]  # stream[j + 1] is tokens[j]
@@ -180,10 +177,7 @@ def test_rolling_log_likelihood_scores_every_token_once_with_the_context_its_win
 def test_generation_is_greedy_within_the_block_and_stops_at_the_first_until_string():
     from types import SimpleNamespace
 
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
-    torch.manual_seed(3)
-    model = build_model(cfg).eval()
-    lm = harness.HarnessLM(model, None, block_size=8)
+    model, lm = tiny_gpt_and_its_harness_lm(seed=3)
     context = "def generate"
     window = list(context.encode())
     expected = []
@@ -198,3 +192,10 @@ def test_generation_is_greedy_within_the_block_and_stops_at_the_first_until_stri
     stop = generated[3]
     request = SimpleNamespace(args=(context, {"until": [stop], "max_gen_toks": 6}))
     assert lm.generate_until([request]) == [generated.split(stop)[0]]
+
+
+def tiny_gpt_and_its_harness_lm(seed: int):
+    """The shipped GPT over bytes, 1 layer, a block of 8, in eval mode, and the harness's LM over it."""
+    torch.manual_seed(seed)
+    model = build_model(TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)).eval()
+    return model, harness.HarnessLM(model, None, block_size=8)
