@@ -81,6 +81,30 @@ BREAKS = (
         ),
     ),
     Break(
+        "compile: a damaged kept cache is used as it is, not set aside",
+        "train/compiling.py",
+        "        damage = self.damage()\n",
+        "        damage = None\n",
+        (
+            "tests/test_compiling.py::test_a_damaged_cache_is_set_aside_with_one_warning_and_"
+            "compiles_cold",
+            "tests/e2e/test_compile.py::test_a_compiled_run_resumes_from_its_kept_cache_without_"
+            "compiling_again",
+        ),
+        quick=False,
+    ),
+    Break(
+        "compile: the kept cache's manifest is not brought up to date before a checkpoint",
+        "train/main.py",
+        "                kept_cache.record()\n",
+        "                pass\n",
+        (
+            "tests/e2e/test_compile.py::test_a_compiled_run_resumes_from_its_kept_cache_without_"
+            "compiling_again",
+        ),
+        quick=False,
+    ),
+    Break(
         "compile: the whole model as one graph, not block by block",
         "train/compiling.py",
         "    for block in blocks:\n        block.compile()\n",

@@ -29,7 +29,7 @@ import model as task
 from batches import TrainBatches, data_identity, data_order, fast_reader
 from buffers import shared_buffers, sync_batchnorm
 from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model, latest_checkpoint
-from compiling import compile_model, compile_wanted
+from compiling import compile_model, compile_wanted, keep_compiled_code
 from compiling import report as compile_report
 from config import MUON_UNDER_FSDP, TrainConfig
 from data import build_datasets, collate  # THE FORK'S, with model.py
@@ -46,7 +46,7 @@ from job import (
 from lm import checkpoint_activations, flops_per_token, save_tokenizer
 from mixture import build_data
 from optim import build_optimizer, set_lr
-from plumbing import Plumbing, check_world_size, init_process_group
+from plumbing import Plumbing, check_world_size, init_process_group, is_writer
 from provenance import environment_info
 from resume import resume_or_start
 from saving import Checkpointer
@@ -123,8 +123,12 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         model, first_eval_batch(eval_sets, accelerator.device), task.eval_columns, task.eval_metrics
     )
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
+    kept_cache = None
     if compile_wanted(cfg.compile):
-        compile_model(plain_model, cfg.output_dir)  # block by block, in place (compiling.py)
+        # compiled code is kept in the run folder, checked before any rank reads it (compiling.py)
+        writer = is_writer(accelerator, cfg.shared_filesystem)
+        kept_cache = keep_compiled_code(cfg.output_dir, writer, cache_filler_goes_first)
+        compile_model(plain_model)  # block by block, in place
     # dropout masks differ per rank, as they should
     seed_everything(cfg.seed + accelerator.process_index)
     # ---------------------------------------------------------------- resume
@@ -215,6 +219,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         if state.step % cfg.eval_every == 0 or is_last:
             log.log(state.step, evaluate(model, eval_loaders, accelerator))
         if saving or stopping:
+            if kept_cache:  # what this checkpoint resumes with, listed for the resume's check
+                kept_cache.record()
             checkpointer.save(state.step)  # with async_save, written while training goes on
         if stopping:
             path = checkpointer.finish()  # written, voted and published before the exit

@@ -6,6 +6,7 @@ eager run's within a tolerance (LOSS_TOLERANCE, relative); a compiled run resume
 cache runs the very same kernels as the uninterrupted compiled run."""
 
 import math
+import shutil
 
 import pytest
 
@@ -52,7 +53,9 @@ def assert_close(compiled: dict, eager: dict) -> None:
 def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_path, corpus):
     """Accelerate, 2 processes (DDP): compiled vs eager within the tolerance; stopped at step 3 and
     resumed, the run compiles no graph (dynamo's counters: every graph from the run folder's cache)
-    and its losses are the uninterrupted compiled run's."""
+    and its losses are the uninterrupted compiled run's. A copy of the stopped run folder whose
+    compiled libraries were cut short and a cached graph garbled (an interrupted copy) resumes too:
+    one warning line, the cache set aside, every graph compiled cold, the same losses."""
     whole = tmp_path / "compiled"
     launch_accelerate(tiny_args(whole, corpus, compile="true", **STEPS), tmp_path).check()
     eager = tmp_path / "eager"
@@ -71,6 +74,8 @@ def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_
     resumed = tmp_path / "resumed"
     first_half = {**STEPS, "max_steps": 3}
     launch_accelerate(tiny_args(resumed, corpus, compile="true", **first_half), tmp_path).check()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(resumed, damaged)
     resume_args = [*tiny_args(resumed, corpus, compile="true", **STEPS), "--resume", "latest"]
     launch_accelerate(resume_args, tmp_path).check()
     after_resume = [row for row in compile_counts(resumed) if row[0] > 3]
@@ -78,6 +83,24 @@ def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_
     for step, compiled, cached in after_resume:
         assert compiled == 0 and cached > 0, (step, compiled, cached)
     assert_close(losses(resumed), losses(whole))
+
+    libraries = sorted((damaged / "compile_cache").rglob("*.so"))
+    graphs = sorted((damaged / "compile_cache" / "fxgraph").rglob("*"))
+    assert libraries and graphs
+    for library in libraries:
+        library.write_bytes(library.read_bytes()[: library.stat().st_size // 2])
+    graph = next(path for path in graphs if path.is_file())
+    graph.write_bytes(bytes(graph.stat().st_size))
+    resume_args = [*tiny_args(damaged, corpus, compile="true", **STEPS), "--resume", "latest"]
+    run = launch_accelerate(resume_args, tmp_path).check()
+    warnings = [line for line in run.output.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "kept compile cache" in warnings[0], warnings
+    assert "set aside as compile_cache.damaged, compiling cold" in warnings[0]
+    assert "Traceback" not in run.output
+    assert (damaged / "compile_cache.damaged").is_dir()
+    after_resume = [row for row in compile_counts(damaged) if row[0] > 3]
+    assert after_resume[0][1] > 0 and after_resume[0][2] == 0, after_resume  # cold
+    assert_close(losses(damaged), losses(whole))
 
 
 @pytest.mark.skipif(not model_declares_blocks(), reason=NEEDS_BLOCKS)
