@@ -81,6 +81,39 @@ BREAKS = (
         ),
     ),
     Break(
+        "each rank writes its straggler times into rank 0's row",
+        "train/hangs.py",
+        "mine[self.rank] = ",
+        "mine[0] = ",
+        (
+            "tests/test_hang_watch.py::test_each_rank_s_own_data_and_forward_times_fill_its_row_of_"
+            "the_straggler_table",
+        ),
+    ),
+    Break(
+        "a background save creates its folder without the free-space check",
+        "train/saving.py",
+        "        def create_and_copy():\n            transaction.create_tmp()\n",
+        "        def create_and_copy():\n            transaction.tmp.mkdir(parents=True)\n",
+        (
+            "tests/test_saving.py::test_a_background_save_checks_the_free_space_before_it_copies_"
+            "anything",
+        ),
+    ),
+    Break(
+        "every rank that sees a failed collective says the line (finding 15)",
+        "train/hangs.py",
+        'return self.store.add("speaker", 1) == 1',
+        "return True",
+        (
+            "tests/test_hang_watch.py::test_exactly_one_rank_says_the_line_and_without_the_store_"
+            "each_node_s_local_rank_0",
+            "tests/e2e/test_two_node.py::test_a_dead_node_stops_the_other_in_bounded_time_and_"
+            "both_resume",
+        ),
+        quick=False,
+    ),
+    Break(
         "compile: a damaged kept cache is used as it is, not set aside",
         "train/compiling.py",
         "        damage = self.damage()\n",

@@ -1,5 +1,6 @@
 """hangs.py's line and straggler rule, in one process (the launches: tests/e2e/test_hangs.py)."""
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -33,9 +34,98 @@ def test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were():
         "rank 2 did not answer (gone: killed, or stuck outside Python) "
         "(each rank's note and stack: runs/x/hangs)"
     )
-    gone = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+
+def test_a_lost_peer_is_named_lost_and_a_live_rank_elsewhere_is_not_named():
+    """A node gone: its ranks never answer (lost); a live rank woken by the alarm outside a
+    collective (rank 1) is not at fault and not named; nothing says "timed out"."""
+    notes = {
+        0: {"phase": "backward", "step": 7, "waiting_in_a_collective": True},
+        1: {"phase": "optimizer", "step": 7, "waiting_in_a_collective": False},
+    }
+    watch = watch_of(4, notes)
+    gone = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"
+    )
     assert not hangs.timed_out(gone)
-    assert "lost a peer on rank(s) 0, 3" in hangs.describe(watch, gone)
+    assert hangs.describe(watch, gone) == (
+        "a collective in backward (step 7) failed on rank(s) 0: rank(s) 2, 3 lost (gone without "
+        "a word: killed, or their node down) (each rank's note and stack: runs/x/hangs)"
+    )
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert not hangs.timed_out(reset)
+
+
+class Store:
+    """The job's store as hangs.py uses it, in memory; `gone`: its node is down."""
+
+    def __init__(self):
+        self.values, self.gone = {}, False
+
+    def _up(self):
+        if self.gone:
+            raise ConnectionResetError("Connection reset by peer")
+
+    def set(self, key, value):
+        self._up()
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def add(self, key, amount):
+        self._up()
+        self.values[key] = int(self.values.get(key, 0)) + amount
+        return self.values[key]
+
+    def check(self, keys):
+        self._up()
+        return all(key in self.values for key in keys)
+
+    def get(self, key):
+        self._up()
+        return self.values[key]
+
+
+def test_exactly_one_rank_says_the_line_and_without_the_store_each_node_s_local_rank_0(
+    tmp_path, monkeypatch
+):
+    """Every rank that sees the failure explains it; the first to claim the line in the store says
+    it and the others say nothing. Without the store (its node gone) the local rank 0 says a line
+    that names the store's node as gone."""
+    monkeypatch.setattr(hangs, "ANSWER_WAIT_S", 0.2)
+    store = Store()
+    gone = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    # rank 0 is failing too (as it does, at the same time, in its own process)
+    store.set(
+        "note/0", json.dumps({"phase": "backward", "step": 3, "waiting_in_a_collective": True})
+    )
+    said = []
+    for rank in (1, 0):  # rank 1 claims the line first
+        plumbing = SimpleNamespace(process_index=rank, num_processes=4, device="cpu")
+        watch = hangs.Watch(plumbing, TrainConfig(output_dir=str(tmp_path)))
+        watch.store = store
+        monkeypatch.setattr(hangs, "_watch", watch)
+        said.append(hangs.explain(gone))
+    assert said[0][1] and not said[1][1], said
+    assert said[0][0].startswith("a collective in backward (step 3) failed on rank(s) 0, 1: ")
+    assert "rank(s) 2, 3 lost" in said[0][0]
+    assert "alarm" in store.values  # wakes the ranks that saw nothing
+    assert (tmp_path / "hangs" / "rank0.json").exists()
+
+    store.gone = True
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    for local_rank, says_it in (("1", False), ("0", True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        plumbing = SimpleNamespace(process_index=2 + int(local_rank), num_processes=4, device="cpu")
+        watch = hangs.Watch(plumbing, TrainConfig(output_dir=str(tmp_path)))
+        watch.store = store
+        monkeypatch.setattr(hangs, "_watch", watch)
+        line, says = hangs.explain(gone)
+        assert says == says_it
+    assert line == (
+        "a collective in start-up (step 0) lost a peer on rank(s) 2, and the job's store at "
+        f"10.0.0.1:29500 with it: the main node is gone (killed, or down) (this rank's note: "
+        f"{tmp_path / 'hangs'})"
+    )
 
 
 def test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time():
@@ -53,6 +143,31 @@ def test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_tim
     assert "straggler_rank" not in shared([[0.001, 0.009], [0.02, 0.01]])
     # costly, but not straggler_factor (2) times slower
     assert "straggler_rank" not in shared([[0.3, 0.1], [0.5, 0.1]])
+
+
+def test_each_rank_s_own_data_and_forward_times_fill_its_row_of_the_straggler_table():
+    """What each rank timed alone (watch.timed) goes into its own row of the table the ranks
+    all-reduce: rank 1, whose data came 0.3 s late, is the one named, with its own seconds."""
+    watches = [watch_of(2, {}, rank=rank) for rank in (0, 1)]
+    for watch, data_s in zip(watches, (0.0, 0.3), strict=True):
+        watch.window_started = time.perf_counter() - 1.0
+        with watch.timed("data"):
+            time.sleep(data_s)
+        with watch.timed("forward"):
+            time.sleep(0.02)
+    tables = []
+
+    def all_reduce(tensor, how):  # the sum over the ranks, once both have given theirs
+        tables.append(tensor.clone())
+        return sum(tables)
+
+    for watch in reversed(watches):
+        watch.plumbing.reduce = all_reduce
+    row = [watch.stragglers() for watch in reversed(watches)][-1]  # rank 0's, after rank 1's
+    assert row["straggler_rank"] == row["slowest_rank"] == 1, row
+    assert 0.3 <= row["straggler_data_s"] < 0.5 and 0.02 <= row["straggler_forward_s"] < 0.2
+    assert 0.02 <= row["median_rank_s"] < 0.2  # rank 0's data and forward
+    assert watches[0].alone_s == {"data": 0.0, "forward": 0.0}  # a new window starts
 
 
 def test_a_save_or_the_export_waits_the_long_timeout_and_training_gets_step_timeout_back(

@@ -99,6 +99,25 @@ def test_at_most_one_save_in_flight_and_a_failed_write_keeps_the_previous_checkp
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
 
 
+def test_a_background_save_checks_the_free_space_before_it_copies_anything(tmp_path, monkeypatch):
+    """The default (async_save): with less free space than the checkpoint needs, save() refuses at
+    once in one line (before the copy to CPU memory and the write), and the previous checkpoint
+    stays the newest, with no tmp folder left."""
+    job = Job(tmp_path, async_save=True)
+    saver = background(job)
+    saver.save(1)
+    saver.finish()
+    needed = saving.checkpoint_bytes(job.parts, range(1))
+    monkeypatch.setattr(saving, "free_bytes", lambda folder: needed // 2)
+    snapshots = []
+    monkeypatch.setattr(checkpoint.Plain, "snapshot", lambda *args: snapshots.append(args))
+    with pytest.raises(RunError, match="not enough space on .* for the checkpoint of step 2: "):
+        saver.save(2)
+    assert not snapshots  # nothing was copied
+    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000001"
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+
+
 def test_a_background_save_frees_its_staged_copy_once_committed(tmp_path, monkeypatch):
     """At most one staged copy lives at a time: after the next save commits, nothing holds the CPU
     copies of an earlier save's tensors, without the cyclic garbage collector's help (disabled here:

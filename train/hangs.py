@@ -11,10 +11,17 @@ Where each rank is: a note of its step and phase (data, forward, backward: DDP's
 optimizer, between steps: logging votes, eval, the checkpoint) kept up to date by the loop. When a
 collective fails on a rank (timed out, or a peer gone), that rank publishes its note in the job's
 store and raises the alarm there; a thread on every other rank, asleep on that alarm, wakes and
-publishes its own note with its main thread's Python stack (where it is stuck). Every note goes to
-<output_dir>/hangs/rank{r}.json as well, and the job's one error line names the rank(s) that did not
-arrive and where each one was. A rank that never answers is named too: gone (killed, or stuck
-where Python cannot run). A rank that was stuck exits after the line is said.
+publishes its own note with its main thread's Python stack (where it is), then ends its process
+once the line is said (it is the one stuck, or its next collective would fail too). Every
+note goes to <output_dir>/hangs/rank{r}.json as well. The job's one error line is said by one rank,
+the first to fail that claims it in the store (a rank that cannot reach the store: the local rank 0
+of its node, whose line then says the store's node is gone):
+    timed out     the ranks that did not arrive and where each one was; a rank that never answers
+                  is named too: gone (killed, or stuck where Python cannot run)
+    a peer gone   the ranks that never answered, named lost (killed, or their node down); a live
+                  rank that was elsewhere is not at fault and not named
+The other ranks say nothing and wait for their launcher to stop them (a rank that ended first would
+make its launcher stop the one saying the line).
 
 Stragglers: each rank times what it does alone in a step, with no collective in it under DDP:
 waiting for its data and the forward pass (the backward pass includes the gradient all-reduce, where
@@ -47,6 +54,8 @@ import torch.distributed as dist
 from errors import first_line
 
 ANSWER_WAIT_S = 5.0  # how long the rank that saw the failure waits for the others' notes
+# how long a rank that does not say the line waits for its launcher to stop it
+SILENT_WAIT_S = 3 * ANSWER_WAIT_S
 ALARM_CHECK_S = 0.5
 HANGS_FOLDER = "hangs"
 # a straggler is named when it costs at least this share of the job's time, and this many seconds
@@ -71,6 +80,7 @@ class Watch:
         self.training = False
         self.completed = 0  # optimizer steps done: the phases of a step are noted for the next one
         self.saw_failure = False
+        self.store_gone = False  # the job's store did not answer: the node that holds it is gone
         self.alone_s = {"data": 0.0, "forward": 0.0}
         self.gpu_forward_events = []
         self.window_started = time.perf_counter()
@@ -173,8 +183,8 @@ class Watch:
         encoded = json.dumps(note, indent=2)
         try:
             self.store.set(f"note/{self.rank}", encoded)
-        except Exception:  # noqa: BLE001 - the store went with rank 0: the file still tells
-            pass
+        except Exception:  # noqa: BLE001 - the store went with its node: the file still tells
+            self.store_gone = True
         folder = Path(self.cfg.output_dir) / HANGS_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{self.rank}.json").write_text(encoded + "\n")
@@ -182,23 +192,32 @@ class Watch:
     def notes(self) -> dict[int, dict]:
         """The notes published within ANSWER_WAIT_S, by rank."""
         keys = [f"note/{rank}" for rank in range(self.world_size)]
-        deadline = time.monotonic() + ANSWER_WAIT_S
-        while time.monotonic() < deadline and not self.store.check(keys):
-            time.sleep(0.05)
         found = {}
-        for rank, key in enumerate(keys):
-            try:
+        try:
+            deadline = time.monotonic() + ANSWER_WAIT_S
+            while time.monotonic() < deadline and not self.store.check(keys):
+                time.sleep(0.05)
+            for rank, key in enumerate(keys):
                 if self.store.check([key]):
                     found[rank] = json.loads(self.store.get(key))
-            except Exception:  # noqa: BLE001 - the store is gone: what this rank knows
-                break
+        except Exception:  # noqa: BLE001 - the store is gone: what this rank knows
+            self.store_gone = True
         return found
+
+    def claims_the_line(self) -> bool:
+        """Whether this rank says the job's error line: the first to ask the store. Without the
+        store, each node's local rank 0 (one line in each surviving node's log)."""
+        if not self.store_gone:
+            try:
+                return self.store.add("speaker", 1) == 1
+            except Exception:  # noqa: BLE001
+                self.store_gone = True
+        return os.environ.get("LOCAL_RANK", "0") == "0"
 
     def _answer_alarm(self) -> None:
         """Looks for another rank's alarm twice a second (a question to the store, answered at once:
         a thread waiting inside the store's client when the process exits would abort it). Then this
-        rank's note, with its stack; a rank that saw no failure itself is the one stuck: it says the
-        line if it is rank 0, then exits."""
+        rank's note, with its stack, and the end of this process once the line is said."""
         listener = job_store(self.cfg.dist_timeout_s)  # a client of its own: one per thread
         try:
             while not listener.check(["alarm"]):
@@ -210,17 +229,15 @@ class Watch:
             return  # the main thread has it in hand
         stack = traceback.format_stack(sys._current_frames()[threading.main_thread().ident])
         self.publish({**self.note, "waiting_in_a_collective": False, "stack": stack[-12:]})
-        if self.rank == 0:
-            print(f"error: {describe(self, None)}", file=sys.stderr, flush=True)  # noqa: T201
-        else:
-            time.sleep(ANSWER_WAIT_S + 1)  # while the waiting ranks say the line
+        time.sleep(SILENT_WAIT_S)  # while the waiting ranks say the line
         os._exit(1)
 
 
 def explain(error: RuntimeError) -> tuple[str, bool] | None:
     """A collective failed on this rank (timed out, or a peer gone): publish this rank's note, raise
-    the alarm, and describe who did not arrive; with whether it timed out (a hung rank says nothing
-    itself, a dead one may have). None without a watch (one process, or before the run folder)."""
+    the alarm, and, on the rank that claims the line, describe who did not arrive. Returns (the
+    line, whether this rank says it); None without a watch (one process, or before the run
+    folder)."""
     watch = _watch
     if watch is None or watch.store is None:
         return None
@@ -229,40 +246,54 @@ def explain(error: RuntimeError) -> tuple[str, bool] | None:
     watch.publish(note)
     try:
         watch.store.set("alarm", str(watch.rank))
-    except Exception:  # noqa: BLE001 - the store is gone with rank 0
-        pass
-    return describe(watch, error), timed_out(error)
+    except Exception:  # noqa: BLE001 - the store is gone with its node
+        watch.store_gone = True
+    if not watch.claims_the_line():
+        return "", False
+    return describe(watch, error), True
 
 
 def timed_out(error: RuntimeError | None) -> bool:
-    """Whether a collective timed out (None: this rank is the one stuck, woken by another's)."""
+    """Whether a collective timed out (not a peer gone: its connection closed or reset)."""
     message = str(error).lower()
-    return error is None or "timed out" in message or "timeout" in message
+    return "timed out" in message or "timeout" in message
 
 
-def describe(watch: Watch, error: RuntimeError | None) -> str:
-    """One line: which collective waited, the ranks that did not arrive and where they were."""
+def describe(watch: Watch, error: RuntimeError) -> str:
+    """One line: which collective failed, the ranks that did not arrive (or are lost) and where
+    they were."""
     notes = watch.notes()
     waiting = sorted(rank for rank, note in notes.items() if note.get("waiting_in_a_collective"))
-    missing = [rank for rank in range(watch.world_size) if rank not in waiting]
-    where = []
-    for rank in missing:
+    waiting = waiting or [watch.rank]
+    first = notes.get(waiting[0], watch.note)
+    where = f"a collective in {first['phase']} (step {first['step']})"
+    on_ranks = ", ".join(map(str, waiting))
+    folder = Path(watch.cfg.output_dir) / HANGS_FOLDER
+    if watch.store_gone:
+        store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        return (
+            f"{where} lost a peer on rank(s) {on_ranks}, and the job's store at {store} with it: "
+            f"the main node is gone (killed, or down) (this rank's note: {folder})"
+        )
+    silent = [rank for rank in range(watch.world_size) if rank not in notes]
+    if not timed_out(error):
+        lost = ", ".join(map(str, silent)) or "none"
+        return (
+            f"{where} failed on rank(s) {on_ranks}: rank(s) {lost} lost (gone without a word: "
+            f"killed, or their node down) (each rank's note and stack: {folder})"
+        )
+    said = []
+    for rank in range(watch.world_size):
         note = notes.get(rank)
         if note is None:
-            where.append(f"rank {rank} did not answer (gone: killed, or stuck outside Python)")
-        else:
-            where.append(
+            said.append(f"rank {rank} did not answer (gone: killed, or stuck outside Python)")
+        elif not note.get("waiting_in_a_collective"):
+            said.append(
                 f"rank {rank} did not arrive: it was in {note['phase']} (step {note['step']})"
             )
-    first = notes.get(waiting[0], watch.note) if waiting else watch.note
-    how = "lost a peer"
-    if timed_out(error):
-        how = f"timed out (step_timeout_s {watch.cfg.step_timeout_s})"
-    ranks = ", ".join(map(str, waiting)) or "none"
-    said = f"a collective in {first['phase']} (step {first['step']}) {how} on rank(s) {ranks}: "
-    said += "; ".join(where) or "every rank was waiting"
-    said += f" (each rank's note and stack: {Path(watch.cfg.output_dir) / HANGS_FOLDER})"
-    return said
+    how = f"timed out (step_timeout_s {watch.cfg.step_timeout_s})"
+    said_all = "; ".join(said) or "every rank was waiting"
+    return f"{where} {how} on rank(s) {on_ranks}: {said_all} (each rank's note and stack: {folder})"
 
 
 def stop_watching() -> None:

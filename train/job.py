@@ -29,8 +29,8 @@ from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
 from checks import check_dataset_name, check_devices, check_model_and_tokenizer
 from config import TrainConfig, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line
+from hangs import SILENT_WAIT_S, stop_watching
 from hangs import explain as explain_hang
-from hangs import stop_watching
 from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
@@ -360,12 +360,10 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
         if not lost_a_peer(e):
             raise  # a bug: its traceback is the useful output
         hang = explain_hang(e)  # which ranks did not arrive, and where each one was
-        if hang is None:
-            hang = f"lost contact with another process ({first_line(e)})", False
-        line, timed_out = hang
-        # a hung rank says nothing itself: then this line is the job's (rank 0's first); a peer
-        # that died has its own line (or the launcher's summary), so this one waits its turn
-        exit_with_error(RunError(line), another_process_failed=not timed_out)
+        if hang is None:  # no watch yet: the peer that died has its own line, this one waits
+            line = f"lost contact with another process ({first_line(e)})"
+            exit_with_error(RunError(line), another_process_failed=True)
+        exit_after_a_failed_collective(*hang)
     finally:
         stop_watching()  # hangs.py's listening thread, before its store goes
         close_process_group()
@@ -417,6 +415,23 @@ def lost_a_peer(error: RuntimeError) -> bool:
     return isinstance(error, dist.DistError) or "gloo" in message or "nccl" in message
 
 
+def exit_after_a_failed_collective(line: str, says_it: bool) -> None:
+    """Exit 1 after a collective failed: the line is said once per job, by the rank hangs.explain
+    chose. Its wait for the others' notes gave the launcher time to stop this node if one of its
+    ranks failed first, with a line of its own: then this one says nothing. The other ranks wait
+    for their launcher to stop them (were one to end first, its launcher would stop the one saying
+    the line)."""
+    if says_it and stop_signals.signal_name != "SIGTERM":
+        say_and_exit(RunError(line))
+    if stop_signals.signal_name == "SIGTERM":
+        sys.exit(1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if os.environ.get("RANK", "0") == "0":  # rank 0 flushes its trackers first (W&B)
+        signal.signal(signal.SIGTERM, lambda *_: exit_after_flush(1))
+    time.sleep(SILENT_WAIT_S)
+    exit_after_flush(1)
+
+
 def exit_with_error(error: Exception, another_process_failed: bool = False) -> None:
     """Print `error: ...` and exit with the error's code, once per job rather than once per rank:
     rank 0 speaks at once and the others wait first. If rank 0 failed too, the launcher kills them
@@ -433,6 +448,12 @@ def exit_with_error(error: Exception, another_process_failed: bool = False) -> N
         if another_process_failed and os.environ.get("RANK", "0") == "0":
             signal.signal(signal.SIGTERM, lambda *_: exit_after_flush(code))
         time.sleep(OTHER_RANKS_ERROR_DELAY_S)
+    say_and_exit(error)
+
+
+def say_and_exit(error: Exception) -> None:
+    """The job's one line, `error: ...`, and the error's exit code."""
+    code = getattr(error, "exit_code", 1)
     print(f"error: {error}", file=sys.stderr)  # noqa: T201 - the job's one line
     # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root Cause":
     # our line

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import (
+    LAUNCHER_FILE,
     MAIN,
     REPO,
     TORCH_DDP,
@@ -175,28 +176,72 @@ def test_two_torchrun_nodes_with_c10d_rendezvous(tmp_path, corpus, four_processe
     assert_same_run(out, four_processes)  # the torch path on 2 nodes matches Accelerate on 1
 
 
-def test_a_dead_node_stops_the_other_in_bounded_time_and_both_resume(
-    tmp_path, corpus, four_processes
-):
-    out = tmp_path / "run"
-    args = two_node_args(out, corpus)
+def kill_a_node_after_step_4(out, args, tmp_path, dead: int) -> str:
+    """Both nodes train; once step 4's checkpoint is published, node `dead`'s launcher and workers
+    are SIGKILLed. The live node must stop with an error well inside dist_timeout_s + start-up (not
+    a hang): its output."""
     port = free_port()
-    node0, node1 = (start(accelerate_node(rank, port, args), tmp_path) for rank in (0, 1))
+    nodes = [start(accelerate_node(rank, port, args), tmp_path) for rank in (0, 1)]
     deadline = time.time() + 180
     while (
         time.time() < deadline
         and not (out / "checkpoints" / "step_00000004" / "manifest.json").exists()
     ):
         time.sleep(0.1)
-    kill_node(node1)
+    kill_node(nodes[dead])
     killed = time.time()
-    finish([node0], timeout=90)
-    assert node0.returncode != 0
-    assert time.time() - killed < 60  # an error, well inside dist_timeout_s + start-up, not a hang
-    node1.communicate()
+    live = nodes[1 - dead]
+    said = finish([live], timeout=90)[0]
+    assert live.returncode != 0
+    assert time.time() - killed < 60, said[-3000:]
+    nodes[dead].communicate()
+    return said
+
+
+def error_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("error: ")]
+
+
+def worker_tracebacks(output: str) -> list[str]:
+    """Tracebacks other than the launcher's own (its summary of a failed worker)."""
+    lines = output.splitlines()
+    return [
+        line
+        for i, line in enumerate(lines)
+        if "Traceback" in line
+        and not any(LAUNCHER_FILE.search(below) for below in lines[i + 1 : i + 4])
+    ]
+
+
+def test_a_dead_node_stops_the_other_in_bounded_time_and_both_resume(
+    tmp_path, corpus, four_processes
+):
+    """Node 1 dies: the live node says exactly one line, naming ranks 2 and 3 lost (not timed
+    out, and no live rank named). Both nodes resume from the last checkpoint."""
+    out = tmp_path / "run"
+    args = two_node_args(out, corpus)
+    said = kill_a_node_after_step_4(out, args, tmp_path, dead=1)
+    lines = error_lines(said)
+    assert len(lines) == 1, said[-3000:]
+    assert "rank(s) 2, 3 lost (gone without a word: killed, or their node down)" in lines[0]
+    assert "timed out" not in lines[0] and "did not arrive" not in lines[0]
+    assert not worker_tracebacks(said), said[-3000:]
     outputs = run_two_nodes(accelerate_node, [*args, "--resume", "latest"], tmp_path)
     assert "resume: " in outputs[0], outputs[0][-3000:]
     assert_same_run(out, four_processes, resumed=True)
+
+
+def test_when_the_main_node_dies_the_other_says_one_line_naming_the_store_s_node_gone(
+    tmp_path, corpus
+):
+    """Node 0 dies, and the job's store (its launcher holds it) with it: node 1 says one line, from
+    its local rank 0, that names the main node gone; no worker traceback."""
+    out = tmp_path / "run"
+    said = kill_a_node_after_step_4(out, two_node_args(out, corpus), tmp_path, dead=0)
+    lines = error_lines(said)
+    assert len(lines) == 1, said[-3000:]
+    assert "the main node is gone (killed, or down)" in lines[0], lines[0]
+    assert not worker_tracebacks(said), said[-3000:]
 
 
 def test_a_world_that_does_not_add_up_stops_at_once(tmp_path, corpus):
