@@ -230,3 +230,52 @@ def test_an_unreachable_hub_with_a_local_copy_goes_on_offline(tmp_path):
     error, took = unreachable_hub_run(tmp_path, "run")
     assert "could not be loaded from the hub (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" in error
     assert took < 15, f"{took:.0f} s"
+
+
+@pytest.mark.parametrize(
+    "environ, named",
+    [
+        ({"PET_NNODES": "2", "PET_NODE_RANK": "1"}, "PET_NNODES=2"),
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2"}, "SLURM_STEP_NUM_NODES=2"),
+        ({"SKYPILOT_NUM_NODES": "4"}, "SKYPILOT_NUM_NODES=4"),
+        ({"MASTER_ADDR": "10.0.0.1"}, "MASTER_ADDR=10.0.0.1 without WORLD_SIZE"),
+        ({"PET_NNODES": "2", "WORLD_SIZE": "1"}, "PET_NNODES=2"),
+    ],
+)
+def test_a_multi_node_environment_at_world_size_1_is_refused(environ, named):
+    from checks import check_launch
+
+    with pytest.raises(ConfigError, match=f"a multi-node environment \\({named}.*world size 1"):
+        check_launch(environ)
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {},
+        {"PET_NNODES": "2", "WORLD_SIZE": "16", "MASTER_ADDR": "10.0.0.1"},  # torchrun started it
+        {"PET_NNODES": "1", "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "1"},
+        {"SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2"},  # the batch script, not a job step
+        {"SLURM_STEP_ID": "3", "SLURM_STEP_NUM_NODES": "1", "SLURM_NNODES": "2"},  # a 1-node step
+    ],
+)
+def test_a_launch_that_joins_the_nodes_or_one_node_goes_on(environ):
+    from checks import check_launch
+
+    check_launch(environ)
+
+
+def test_a_pod_of_a_two_node_job_started_alone_stops_in_one_line(tmp_path):
+    """As under Kubeflow Trainer with `accelerate launch` (which ignores PET_*): exit 2 before any
+    process group, one line that names the variable and torchrun."""
+    result = run_python(
+        ["--output_dir", tmp_path / "run"],
+        tmp_path,
+        timeout=60,
+        env_extra={"PET_NNODES": 2, "PET_NODE_RANK": 1},
+    )
+    assert result.returncode == 2, result.tail()
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: a multi-node environment (PET_NNODES=2)")
+    assert "torchrun train/main.py" in lines[0]
+    assert not (tmp_path / "run").exists()

@@ -1,7 +1,8 @@
 """Start-up checks of what a config names: data files and folders, hub datasets, Hugging Face models and
-tokenizers. They run in job.load_checked_config, before any process group: a wrong name or an unreadable
-file is one `error:` line naming the key, not a traceback (or the hub client's retries) later. data.py
-and streaming.py use `unreadable_data` for data that fails as it is read.
+tokenizers; and of the launch (a multi-node job started without a launcher that joins its nodes). They
+run in job.load_checked_config, before any process group: a wrong name or an unreadable file is one
+`error:` line naming the key, not a traceback (or the hub client's retries) later. data.py and
+streaming.py use `unreadable_data` for data that fails as it is read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,42 @@ def check_devices(cfg) -> None:
             "sync_batchnorm needs CUDA GPUs (SyncBatchNorm reduces each batch's statistics over NCCL; "
             "on CPU the gloo backend cannot run it): leave it off here, broadcast_buffers keeps the "
             "ranks' statistics rank 0's (got true)"
+        )
+
+
+# what each engine sets when it starts a job on several nodes, and how this script is launched there
+# (docs/multi-node.md has the table of each engine's variables)
+MULTI_NODE_ENGINES = {
+    "PET_NNODES": "Kubeflow Trainer or PyTorchJob: torchrun train/main.py, which reads PET_*",
+    "SLURM_STEP_NUM_NODES": "SLURM: one launcher per node, as scripts/slurm/accelerate_2node.sbatch",
+    "SKYPILOT_NUM_NODES": (
+        "SkyPilot: torchrun --nnodes $SKYPILOT_NUM_NODES --node_rank $SKYPILOT_NODE_RANK "
+        "--master_addr <the first of $SKYPILOT_NODE_IPS> train/main.py"
+    ),
+}
+
+
+def check_launch(environ=os.environ) -> None:
+    """No silent world size 1: a multi-node environment whose process was started alone (e.g.
+    accelerate launch, which ignores PET_*, or python train/main.py under srun) would train one copy
+    per node, each overwriting the others' files."""
+    if int(environ.get("WORLD_SIZE") or 1) > 1:
+        return
+    said = []
+    for name, launch in MULTI_NODE_ENGINES.items():
+        if name.startswith("SLURM") and "SLURM_STEP_ID" not in environ:
+            continue  # the batch script itself, not a job step
+        if int(environ.get(name) or 1) > 1:
+            said.append((f"{name}={environ[name]}", launch))
+    if "MASTER_ADDR" in environ and "WORLD_SIZE" not in environ:
+        said.append(
+            (f"MASTER_ADDR={environ['MASTER_ADDR']} without WORLD_SIZE", "a launcher sets both")
+        )
+    if said:
+        found = ", ".join(name for name, _ in said)
+        raise ConfigError(
+            f"a multi-node environment ({found}) started this process at world size 1: every node "
+            f"would train alone and overwrite the others' files; launch it with {said[0][1]}"
         )
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
-from checks import check_dataset_name, check_devices, check_model_and_tokenizer
+from checks import check_dataset_name, check_devices, check_launch, check_model_and_tokenizer
 from config import TrainConfig, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line
 from hangs import SILENT_WAIT_S, stop_watching
@@ -328,6 +328,7 @@ def load_checked_config(argv) -> TrainConfig:
     check_fork_files(cfg)  # model.py and data.py define what the template uses
     check_sources(cfg)  # --resume, --init_from
     check_devices(cfg)  # sync_batchnorm: GPUs only
+    check_launch()  # a multi-node environment that started this process alone
     # each source of a mixture, or the one dataset
     for path in [source.path for source in cfg.mixture] or [cfg.dataset]:
         check_dataset_name(path)
