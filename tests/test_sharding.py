@@ -1,12 +1,15 @@
 """FSDP2 on the torch path and sharded checkpoints, in one process (a gloo group of 1, a 1-process mesh): how the
 model is sharded, that sharded parts round-trip bitwise through the commit protocol, the export, and the
-one-line refusals. Several processes, HSDP and resharding: tests/e2e/test_fsdp.py. Also: the DDP knobs."""
+one-line refusals, and the FSDP plugin main.py gives accelerate from --fsdp. Several processes, HSDP
+and resharding: tests/e2e/test_fsdp.py. Also: the DDP knobs."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 import torch.distributed as dist
+from accelerate.utils import FullyShardedDataParallelPlugin
 from safetensors.torch import load_model
 
 import checkpoint
@@ -14,11 +17,12 @@ import resume as resuming
 import saving
 from checkpoint import TrainState
 from config import TrainConfig
-from conftest import NEEDS_BLOCKS, free_port, model_declares_blocks
+from conftest import NEEDS_BLOCKS, REPO, free_port, model_declares_blocks
 from errors import CheckpointError, ConfigError
 from lm import checkpoint_activations, transformer_blocks
 from model import build_model
 from optim import build_optimizer
+from sharding import fsdp_setting
 from torch_ddp import TorchDDP
 
 IDENTITY = {"seed": 1337}
@@ -194,14 +198,93 @@ def test_fsdp_without_a_launcher_and_on_main_py_are_one_line_errors(tmp_path, mo
     plumbing = TorchDDP(cfg_for(tmp_path, fsdp="full"))
     with pytest.raises(ConfigError, match="fsdp needs a process group: launch with torchrun"):
         plumbing.prepare(build_model(plumbing.cfg))
+    # accelerate shards GPU processes only: on CPU, --fsdp on main.py says so and names the torch path
     with pytest.raises(
-        ConfigError, match="fsdp is torch_ddp.py's switch; main.py shards as its accelerate config"
+        ConfigError,
+        match="fsdp hybrid on main.py needs CUDA GPUs: accelerate shards GPU processes only .* "
+        "torchrun --nproc_per_node N train/torch_ddp.py --fsdp hybrid",
     ):
         main.build_accelerator(cfg_for(tmp_path, fsdp="hybrid"))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="set fsdp_version: 2"):
         main.build_accelerator(cfg_for(tmp_path))
+
+
+def plugin_from_the_accelerate_config(name: str, monkeypatch):
+    """The FSDP plugin an Accelerator builds from what `accelerate launch --config_file <name>`
+    hands its processes (accelerate's own launcher code, without starting them)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(REPO / "accelerate_configs" / name), "train/main.py"]
+    )
+    _validate_launch_command(args)
+    with monkeypatch.context() as env:
+        for key, value in prepare_multi_gpu_env(args).items():
+            if key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_")):
+                env.setenv(key, value)
+        return FullyShardedDataParallelPlugin(), prepare_multi_gpu_env(args)
+
+
+# every field of accelerate's plugin but the mixed precision policy (ours: fp32 reduction, asserted)
+FSDP_FIELDS = [
+    field.name
+    for field in dataclasses.fields(FullyShardedDataParallelPlugin)
+    if field.name != "mixed_precision_policy"
+]
+
+
+@pytest.mark.parametrize("fsdp, yaml", [("full", "fsdp_8gpu.yaml"), ("hybrid", "2node_hsdp.yaml")])
+def test_fsdp_on_main_py_under_torchrun_is_the_accelerate_config_s_fsdp(
+    tmp_path, monkeypatch, fsdp, yaml
+):
+    """`torchrun train/main.py --fsdp full --mixed_precision bf16` (no accelerate config read: what
+    Kubeflow Trainer and SkyPilot start) gives the Accelerator the plugin that `accelerate launch
+    --config_file accelerate_configs/fsdp_8gpu.yaml` gives it, field by field and in the blocks it
+    wraps, with the fp32 gradient reduction; hybrid on 2 nodes x 8 the same 2 x 8 mesh as
+    2node_hsdp.yaml. (The Accelerator is not started: FSDP through accelerate needs GPUs.)"""
+    import accelerate
+
+    import main
+
+    expected, launched = plugin_from_the_accelerate_config(yaml, monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "16" if fsdp == "hybrid" else "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(main, "init_process_group", lambda timeout_s: None)
+    monkeypatch.setattr(main, "check_world_size", lambda n: None)
+    built = {}
+
+    class Recorder:
+        num_processes = 1
+
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    cfg = cfg_for(tmp_path, fsdp=fsdp, mixed_precision="bf16")
+    main.build_accelerator(cfg)
+    plugin = built["fsdp_plugin"]
+    differ = [f for f in FSDP_FIELDS if getattr(plugin, f) != getattr(expected, f)]
+    assert not differ, [(f, getattr(plugin, f), getattr(expected, f)) for f in differ]
+    if model_declares_blocks():
+        for each in (plugin, expected):
+            each.set_auto_wrap_policy(build_model(TrainConfig(n_layer=2, n_head=2, n_embd=16)))
+        wrapped = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
+        assert wrapped == expected.auto_wrap_policy.keywords["transformer_layer_cls"]
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    mesh = built["parallelism_config"]
+    if fsdp == "full":
+        assert mesh is None
+    else:
+        assert (mesh.dp_replicate_size, mesh.dp_shard_size) == (
+            int(launched["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"]),
+            int(launched["PARALLELISM_CONFIG_DP_SHARD_SIZE"]),
+        )
+    assert fsdp_setting(cfg) == f"{fsdp} (--fsdp)"
 
 
 KNOBS = dict(

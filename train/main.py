@@ -31,7 +31,7 @@ from buffers import shared_buffers, sync_batchnorm
 from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model, latest_checkpoint
 from compiling import compile_model, compile_wanted, keep_compiled_code
 from compiling import report as compile_report
-from config import MUON_UNDER_FSDP, TrainConfig
+from config import TrainConfig
 from data import build_datasets, collate  # THE FORK'S, with model.py
 from errors import ConfigError, RunError
 from hangs import Watch
@@ -50,6 +50,7 @@ from plumbing import Plumbing, check_world_size, init_process_group, is_writer
 from provenance import environment_info
 from resume import resume_or_start
 from saving import Checkpointer
+from sharding import accelerate_fsdp, fsdp_setting
 from streaming import stream_batches
 from task import check_loss_contract, tokens_per_sample
 from tracking import MetricsLogger, Throughput, new_run_id
@@ -256,32 +257,11 @@ def build_accelerator(cfg: TrainConfig):
     from accelerate.utils import (
         DataLoaderConfiguration,
         DistributedDataParallelKwargs,
-        FullyShardedDataParallelPlugin,
         GradientAccumulationPlugin,
     )
 
-    if cfg.fsdp != "no":
-        raise ConfigError(
-            "fsdp is torch_ddp.py's switch; main.py shards as its accelerate config says "
-            "(accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train/main.py)"
-        )
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-    fsdp_plugin = None  # accelerate's own, from the accelerate config (or no FSDP)
-    if fsdp and cfg.optimizer == "muon":
-        raise ConfigError(MUON_UNDER_FSDP)
-    if fsdp and os.environ.get("FSDP_VERSION", "1") != "2":
-        raise ConfigError(
-            "accelerate config: set fsdp_version: 2 (FSDP1's state dicts are not the sharded "
-            "checkpoint parts this template saves)"
-        )
-    if fsdp and (cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION")) == "bf16":
-        # accelerate's FSDP2 would reduce gradients in bf16 too: in fp32, as the torch path does
-        # (and torchtitan)
-        fsdp_plugin = FullyShardedDataParallelPlugin(
-            mixed_precision_policy=dict(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
-            )
-        )
+    # FSDP2: from --fsdp on any launcher, else from the accelerate config (sharding.py)
+    fsdp_plugin, parallelism_config = accelerate_fsdp(cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # restart-safe (plumbing.py); the Accelerator adopts it
         init_process_group(cfg.dist_timeout_s)
@@ -305,6 +285,7 @@ def build_accelerator(cfg: TrainConfig):
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
         kwargs_handlers=[DistributedDataParallelKwargs(**cfg.ddp_options())],
         fsdp_plugin=fsdp_plugin,
+        parallelism_config=parallelism_config,  # HSDP's replicate x shard mesh
         log_with=cfg.trackers()
         or None,  # started later, by MetricsLogger, on the main process only
         project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
@@ -374,6 +355,7 @@ def run_info(cfg: TrainConfig, accelerator, plain_model, train_set, eval_sets) -
         **environment_info(),
         "processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
+        "fsdp": fsdp_setting(cfg),  # and where it was set: --fsdp or the accelerate config
         "global_batch_size": cfg.global_batch(accelerator.num_processes),
         "tokens_per_sample": tokens_per_sample(cfg),
         "train_samples": "streamed" if cfg.streaming else len(train_set),

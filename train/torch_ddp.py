@@ -33,6 +33,7 @@ from job import exit_with_error, load_config_or_exit, run_or_exit
 from lm import transformer_blocks
 from main import train
 from plumbing import check_world_size, init_process_group
+from sharding import mesh_shape
 
 
 class TorchDDP:
@@ -115,12 +116,7 @@ class TorchDDP:
             raise ConfigError(
                 "fsdp needs a process group: launch with torchrun --nproc_per_node N (N >= 1)"
             )
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
-        shape, names = (
-            ((self.num_processes // per_node, per_node), ("replicate", "shard"))
-            if self.cfg.fsdp == "hybrid"
-            else ((self.num_processes,), ("shard",))
-        )
+        shape, names = mesh_shape(self.cfg.fsdp, self.num_processes)
         mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
