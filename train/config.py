@@ -164,8 +164,9 @@ class TrainConfig:
     # metrics.jsonl names a rank straggler_rank when its time alone in a step (data, forward) is this
     # many times the median of the other ranks
     straggler_factor: float = 2.0
-    # torch_ddp.py: no (DDP) | full (FSDP2: each block and the root sharded over all processes) |
-    # hybrid (HSDP: sharded in a node, replicated across nodes); main.py: the accelerate config's
+    # no (DDP) | full (FSDP2: each block and the root sharded over all processes) | hybrid (HSDP:
+    # sharded in a node, replicated across nodes); both paths, any launcher (main.py: GPUs; "no"
+    # there leaves it to an accelerate config's fsdp_config) (sharding.py)
     fsdp: str = "no"
     # recompute each block's activations in backward: less memory, ~1/3 slower
     activation_checkpointing: bool = False

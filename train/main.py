@@ -5,6 +5,7 @@
     accelerate launch --config_file accelerate_configs/8gpu.yaml train/main.py --config train/configs/gpt2_small.yaml
     accelerate launch --config_file accelerate_configs/2node.yaml --machine_rank 0 ... train/main.py   # each node
     accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml train/main.py ...   # FSDP2 (2node_hsdp: HSDP)
+    torchrun --nproc_per_node 8 train/main.py --fsdp full --mixed_precision bf16         # the same, any launcher
     ... train/main.py --resume latest                                     # continue where the last run stopped
 
 Flags are the keys of config.TrainConfig (`--help` lists them). The same loop runs without
