@@ -189,3 +189,15 @@ def test_the_console_line_says_what_a_person_watches_and_metrics_jsonl_keeps_the
         "data: train_samples 88",
         "augmentation: flips",
     ]
+
+
+def test_a_new_run_s_tracker_id_is_the_jobs_when_it_sets_wandb_run_id(monkeypatch):
+    """Kubernetes and SkyPilot name it after the job (scripts/kubernetes, scripts/skypilot): every restart
+    logs to one W&B run, even before a checkpoint holds the id."""
+    from tracking import new_run_id
+
+    monkeypatch.setenv("WANDB_RUN_ID", "gpt-small-001")
+    assert new_run_id() == "gpt-small-001"
+    monkeypatch.delenv("WANDB_RUN_ID")
+    first, second = new_run_id(), new_run_id()
+    assert len(first) == 8 and first != second

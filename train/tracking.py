@@ -218,7 +218,11 @@ def wandb_init_kwargs(cfg: TrainConfig, run_id: str, resumed_step: int) -> dict:
 
 
 def new_run_id() -> str:
-    return secrets.token_hex(4)  # from os.urandom: drawing it does not move the training RNG
+    """A new run's tracker id: WANDB_RUN_ID when the job sets it (from the job's name, so that every
+    restart of a Kubernetes pod or a SkyPilot recovery logs to one run, even before the first
+    checkpoint holds the id), else a random one."""
+    chosen = os.environ.get("WANDB_RUN_ID", "")
+    return chosen or secrets.token_hex(4)  # os.urandom: drawing it does not move the training RNG
 
 
 def finish_trackers(plumbing) -> None:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One node's part of a job under an engine that starts a command on every node (Kubernetes: JobSet, Kubeflow
+# Trainer; SkyPilot): torchrun, which takes the job's shape from PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+# PET_MASTER_ADDR and PET_MASTER_PORT (Kubeflow Trainer sets them; scripts/kubernetes/jobset.yaml and
+# scripts/skypilot/train.yaml set them from what their engine gives), then train/main.py.
+#
+#   OUTPUT_DIR=/runs/my-run scripts/torchrun_job.sh --config train/configs/gpt2_small.yaml --mixed_precision bf16
+#
+# OUTPUT_DIR: the run folder, on storage every node sees and named after the job, so that a restarted pod or a
+# recovered cluster finds its checkpoints (--resume latest continues them; the first start has none).
+# What a container's first process must do that torchrun alone does not:
+# - pass SIGTERM on. Kubernetes signals the container's process 1 only, and a process 1 without a handler
+#   ignores it: the job would be SIGKILLed at the end of its grace period with nothing saved.
+# - exit 75 after a stop on a signal. torchrun reports any worker's exit as 1, so the stop's own code is lost;
+#   the run's preempted.json (written on such a stop, removed by the next start) tells, and 75 is the code the
+#   engines are told to restart on without counting a failure.
+set -u
+: "${OUTPUT_DIR:?set OUTPUT_DIR to the run folder, the same at every restart of the job}"
+cd "$(dirname "$0")/.."  # the repository root
+
+torchrun train/main.py --output_dir "$OUTPUT_DIR" --resume latest "$@" &
+launcher=$!
+trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT
+# a trapped signal ends `wait` early: wait again until torchrun itself has exited
+while true; do
+    wait "$launcher"
+    code=$?
+    kill -0 "$launcher" 2>/dev/null || break
+done
+if [ -f "$OUTPUT_DIR/preempted.json" ]; then
+    exit 75
+fi
+exit "$code"
