@@ -75,8 +75,12 @@ def main() -> None:
             *MODELS[args.model],
             *args.train_args,
         ]
+        # the launcher SIGKILLs its workers this long after passing SIGTERM on (30 s by default):
+        # here, never before the stop is done
+        env = {**os.environ, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3600"}
         job = subprocess.Popen(
             command,
+            env=env,
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

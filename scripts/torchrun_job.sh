@@ -14,8 +14,12 @@
 # - exit 75 after a stop on a signal. torchrun reports any worker's exit as 1, so the stop's own code is lost;
 #   the run's preempted.json (written on such a stop, removed by the next start) tells, and 75 is the code the
 #   engines are told to restart on without counting a failure.
+# - give the stop its time. On SIGTERM torchrun passes it to the workers, then SIGKILLs them after
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by default): less than a stop can take (up to log_every steps, then
+#   the checkpoint). Keep it under the engine's grace period (scripts/kubernetes/jobset.yaml: 300 s).
 set -u
 : "${OUTPUT_DIR:?set OUTPUT_DIR to the run folder, the same at every restart of the job}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-270}
 cd "$(dirname "$0")/.."  # the repository root
 
 torchrun train/main.py --output_dir "$OUTPUT_DIR" --resume latest "$@" &

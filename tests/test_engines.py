@@ -68,6 +68,10 @@ def test_the_jobset_restarts_a_stopped_pod_without_counting_it_and_keeps_its_run
     assert container["command"] == ["scripts/torchrun_job.sh"]
     assert "--config" in container["args"]
     assert pod["terminationGracePeriodSeconds"] >= 120
+    # torchrun SIGKILLs its workers this long after passing SIGTERM on: inside the grace period
+    script = JOB_SCRIPT.read_text()
+    shutdown = re.search(r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-(\d+)", script)
+    assert shutdown and 60 <= int(shutdown.group(1)) < pod["terminationGracePeriodSeconds"]
 
 
 def test_the_skypilot_task_maps_its_variables_to_torchrun_s_and_recovers_a_stop():
