@@ -1,7 +1,7 @@
 """The engines beyond SLURM, without a cluster: the Kubernetes (JobSet) and SkyPilot files parsed and checked for
 what a restart needs, and scripts/torchrun_job.sh, the command both run on each node, with a fake torchrun: it
 passes SIGTERM on as a container's first process must, and turns a stop into exit 75. The real trainings under
-each engine's variables: tests/e2e/test_engines.py."""
+each engine's variables: tests/e2e/test_engine_runs.py."""
 
 import os
 import re

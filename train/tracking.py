@@ -271,7 +271,7 @@ RUN_INFO_LINES = {
         "git_dirty",
         "host",
     ),
-    "job": ("processes", "mixed_precision", "global_batch_size", "parameters"),
+    "job": ("processes", "mixed_precision", "fsdp", "global_batch_size", "parameters"),
     "data": ("train_samples", "eval_samples", "tokens_per_sample"),
 }
 
