@@ -38,6 +38,14 @@ def test_shipped_presets_load():
         assert isinstance(load_config(["--config", str(preset), *offline]), TrainConfig), preset
 
 
+def test_an_object_store_url_as_output_dir_is_one_line_naming_the_key():
+    with pytest.raises(
+        ConfigError,
+        match=r"output_dir must be a folder on a filesystem .* \(got .s3://bucket/run.\)",
+    ):
+        load_config(["--output_dir", "s3://bucket/run"])
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -263,6 +263,14 @@ class TrainConfig:
         sharded_needs_one_folder = self.fsdp == "no" or self.shared_filesystem
         why = "needs shared_filesystem true (every process writes its shards into one checkpoint folder)"
         _require("fsdp", sharded_needs_one_folder, why, self.fsdp)
+        # an object store's URL would be written as a local folder named "s3:"; and the checkpoint's
+        # commit renames folders, which object stores cannot do atomically
+        folder_ok = "://" not in self.output_dir
+        why = (
+            "must be a folder on a filesystem (local, or mounted: NFS, Lustre, EFS): object stores "
+            "(s3://, gs://) cannot rename a checkpoint folder atomically"
+        )
+        _require("output_dir", folder_ok, why, self.output_dir)
         workers_ok = not (self.streaming and self.num_workers)
         why = "must be 0 with streaming (the stream is read in the training process, where its position is saved)"
         _require("num_workers", workers_ok, why, self.num_workers)
