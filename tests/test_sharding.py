@@ -211,6 +211,23 @@ def test_fsdp_without_a_launcher_and_on_main_py_are_one_line_errors(tmp_path, mo
         main.build_accelerator(cfg_for(tmp_path))
 
 
+def accelerator_arguments(monkeypatch) -> dict:
+    """What main.build_accelerator passes to accelerate.Accelerator, recorded instead of building one
+    (filled at each call)."""
+    import accelerate
+
+    built = {}
+
+    class Recorder:
+        num_processes = 1
+
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    return built
+
+
 def plugin_from_the_accelerate_config(name: str, monkeypatch):
     """The FSDP plugin an Accelerator builds from what `accelerate launch --config_file <name>`
     hands its processes (accelerate's own launcher code, without starting them)."""
@@ -245,8 +262,6 @@ def test_fsdp_on_main_py_under_torchrun_is_the_accelerate_config_s_fsdp(
     --config_file accelerate_configs/fsdp_8gpu.yaml` gives it, field by field and in the blocks it
     wraps, with the fp32 gradient reduction; hybrid on 2 nodes x 8 the same 2 x 8 mesh as
     2node_hsdp.yaml. (The Accelerator is not started: FSDP through accelerate needs GPUs.)"""
-    import accelerate
-
     import main
 
     expected, launched = plugin_from_the_accelerate_config(yaml, monkeypatch)
@@ -255,15 +270,7 @@ def test_fsdp_on_main_py_under_torchrun_is_the_accelerate_config_s_fsdp(
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(main, "init_process_group", lambda timeout_s: None)
     monkeypatch.setattr(main, "check_world_size", lambda n: None)
-    built = {}
-
-    class Recorder:
-        num_processes = 1
-
-        def __init__(self, **kwargs):
-            built.update(kwargs)
-
-    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    built = accelerator_arguments(monkeypatch)
     cfg = cfg_for(tmp_path, fsdp=fsdp, mixed_precision="bf16")
     main.build_accelerator(cfg)
     plugin = built["fsdp_plugin"]
@@ -322,8 +329,6 @@ def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path
 ):
     """accelerate's own FSDP2 policy for bf16 reduces in bf16; main.py hands it the torch path's policy. (The plugin
     is built from what `accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml` sets.)"""
-    import accelerate
-
     import main
 
     for key, value in dict(
@@ -333,15 +338,7 @@ def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path
         FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
     ).items():
         monkeypatch.setenv(key, value)
-    built = {}
-
-    class Recorder:
-        num_processes = 1
-
-        def __init__(self, **kwargs):
-            built.update(kwargs)
-
-    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    built = accelerator_arguments(monkeypatch)
     main.build_accelerator(cfg_for(tmp_path))
     policy = built["fsdp_plugin"].mixed_precision_policy
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
