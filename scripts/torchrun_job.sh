@@ -22,7 +22,18 @@ set -u
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-270}
 cd "$(dirname "$0")/.."  # the repository root
 
-torchrun train/main.py --output_dir "$OUTPUT_DIR" --resume latest "$@" &
+# OUTPUT_DIR may be object storage (s3://bucket/run, train/storage.py): each node then writes the run in
+# STAGING_DIR first, on its own disk, and that is where a stop leaves preempted.json
+run_dir=$OUTPUT_DIR
+staging=()
+case "$OUTPUT_DIR" in
+*://*)
+    run_dir=${STAGING_DIR:-/tmp/train-staging/run}
+    staging=(--staging_dir "$run_dir")
+    ;;
+esac
+
+torchrun train/main.py --output_dir "$OUTPUT_DIR" ${staging[@]+"${staging[@]}"} --resume latest "$@" &
 launcher=$!
 trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT
 # a trapped signal ends `wait` early: wait again until torchrun itself has exited
@@ -31,7 +42,7 @@ while true; do
     code=$?
     kill -0 "$launcher" 2>/dev/null || break
 done
-if [ -f "$OUTPUT_DIR/preempted.json" ]; then
+if [ -f "$run_dir/preempted.json" ]; then
     exit 75
 fi
 exit "$code"

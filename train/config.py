@@ -22,6 +22,7 @@ import yaml
 
 from errors import ConfigError
 from sources import Source, parse_dataset
+from storage import is_url, staging_folder, url_problem
 
 TRACKERS = ("none", "wandb", "tensorboard")
 
@@ -31,8 +32,12 @@ TRACKERS = ("none", "wandb", "tensorboard")
 @dataclass(frozen=True)
 class TrainConfig:
     # ---- run
-    # the run folder; "" = a new runs/run_NNN (with --resume latest: the newest one)
+    # the run folder; "" = a new runs/run_NNN (with --resume latest: the newest one); or object
+    # storage, any fsspec URL: s3://bucket/run, gs://... (train/storage.py)
     output_dir: str = ""
+    # a run on object storage is written in this node's folder first, then uploaded; "" = one named
+    # after output_dir in the system's temporary folder
+    staging_dir: str = ""
     # model init, data order and dropout all derive from it
     seed: int = 1337
     # "" = start fresh, "latest" = newest complete checkpoint in output_dir (or fresh), or a folder
@@ -192,6 +197,20 @@ class TrainConfig:
         return self.run_name or os.path.basename(os.path.normpath(self.output_dir))
 
     @property
+    def run_dir(self) -> str:
+        """The local folder this process writes the run in: output_dir, or for a run on object
+        storage this node's staging folder (storage.py)."""
+        if is_url(self.output_dir):
+            return staging_folder(self.output_dir, self.staging_dir)
+        return self.output_dir
+
+    @property
+    def run_dir_is_shared(self) -> bool:
+        """Whether all nodes write one run_dir (a shared filesystem), or each node its own: on
+        node-local disks, and the staging folders of a run on object storage."""
+        return self.shared_filesystem and not is_url(self.output_dir)
+
+    @property
     def mixture(self) -> tuple[Source, ...]:
         """The sources of a mixed dataset; () for one."""
         return self.dataset if isinstance(self.dataset, tuple) else ()
@@ -263,14 +282,12 @@ class TrainConfig:
         sharded_needs_one_folder = self.fsdp == "no" or self.shared_filesystem
         why = "needs shared_filesystem true (every process writes its shards into one checkpoint folder)"
         _require("fsdp", sharded_needs_one_folder, why, self.fsdp)
-        # an object store's URL would be written as a local folder named "s3:"; and the checkpoint's
-        # commit renames folders, which object stores cannot do atomically
-        folder_ok = "://" not in self.output_dir
-        why = (
-            "must be a folder on a filesystem (local, or mounted: NFS, Lustre, EFS): object stores "
-            "(s3://, gs://) cannot rename a checkpoint folder atomically"
+        if is_url(self.output_dir):  # the package it needs, the bucket (storage.py)
+            problem = url_problem(self.output_dir)
+            _require("output_dir", problem is None, problem, self.output_dir)
+        _require(
+            "staging_dir", not is_url(self.staging_dir), "must be a local folder", self.staging_dir
         )
-        _require("output_dir", folder_ok, why, self.output_dir)
         workers_ok = not (self.streaming and self.num_workers)
         why = "must be 0 with streaming (the stream is read in the training process, where its position is saved)"
         _require("num_workers", workers_ok, why, self.num_workers)

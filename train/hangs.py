@@ -185,7 +185,7 @@ class Watch:
             self.store.set(f"note/{self.rank}", encoded)
         except Exception:  # noqa: BLE001 - the store went with its node: the file still tells
             self.store_gone = True
-        folder = Path(self.cfg.output_dir) / HANGS_FOLDER
+        folder = Path(self.cfg.run_dir) / HANGS_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{self.rank}.json").write_text(encoded + "\n")
 
@@ -268,7 +268,7 @@ def describe(watch: Watch, error: RuntimeError) -> str:
     first = notes.get(waiting[0], watch.note)
     where = f"a collective in {first['phase']} (step {first['step']})"
     on_ranks = ", ".join(map(str, waiting))
-    folder = Path(watch.cfg.output_dir) / HANGS_FOLDER
+    folder = Path(watch.cfg.run_dir) / HANGS_FOLDER
     if watch.store_gone:
         store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         return (

@@ -134,7 +134,7 @@ def evaluate_export(plumbing, cfg, build_model) -> dict:
         if not plumbing.is_main_process:
             return {}
         _, scores, _ = evaluate_folder(
-            Path(cfg.output_dir),
+            Path(cfg.run_dir),
             build_model,
             tasks,
             cfg.eval_task_path,

@@ -62,11 +62,11 @@ def claim_run_folder(cfg, plumbing, identity: dict) -> TrainConfig:
         cfg = replace(cfg, output_dir=str(RUNS_ROOT / f"run_{int(number_everywhere.item()):03d}"))
         if cfg.resume == "latest":
             check_the_newest_run_fits(cfg, plumbing, identity)
-    writer = is_writer(plumbing, cfg.shared_filesystem)
+    writer = is_writer(plumbing, cfg.run_dir_is_shared)
 
     def lock():
         if writer:
-            lock_run_folder(cfg.output_dir)
+            lock_run_folder(cfg.run_dir)
 
     collectively(plumbing, "locking the run folder", lock, ConfigError)
     return cfg
@@ -375,7 +375,7 @@ def stopped_before_training(cfg, plumbing) -> int:
     """A signal during start-up: nothing new to save. Leave the requeue marker if the run folder is
     ours."""
     rank0 = plumbing.is_main_process if plumbing is not None else os.environ.get("RANK", "0") == "0"
-    output_dir = cfg.output_dir or held_run_folder()  # the folder claimed on the way, if any
+    output_dir = cfg.run_dir or held_run_folder()  # the folder claimed on the way, if any
     preempted = stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE
     if rank0 and output_dir and preempted and try_lock_run_folder(output_dir):
         newest = latest_checkpoint(output_dir)

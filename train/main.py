@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 import model as task
 from batches import TrainBatches, data_identity, data_order, fast_reader
 from buffers import shared_buffers, sync_batchnorm
-from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model, latest_checkpoint
+from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model
 from compiling import compile_model, compile_wanted, keep_compiled_code
 from compiling import report as compile_report
 from config import TrainConfig
@@ -49,7 +49,7 @@ from mixture import build_data
 from optim import build_optimizer, set_lr
 from plumbing import Plumbing, check_world_size, init_process_group, is_writer
 from provenance import environment_info
-from resume import resume_or_start
+from resume import newest_checkpoint, resume_or_start
 from saving import Checkpointer
 from sharding import accelerate_fsdp, fsdp_setting
 from streaming import stream_batches
@@ -128,8 +128,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     kept_cache = None
     if compile_wanted(cfg.compile):
         # compiled code is kept in the run folder, checked before any rank reads it (compiling.py)
-        writer = is_writer(accelerator, cfg.shared_filesystem)
-        kept_cache = keep_compiled_code(cfg.output_dir, writer, cache_filler_goes_first)
+        writer = is_writer(accelerator, cfg.run_dir_is_shared)
+        kept_cache = keep_compiled_code(cfg.run_dir, writer, cache_filler_goes_first)
         compile_model(plain_model)  # block by block, in place
     # dropout masks differ per rank, as they should
     seed_everything(cfg.seed + accelerator.process_index)
@@ -214,7 +214,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
             checkpointer.commit_if_written()
             # the same reduced values on every rank: all stop
             if not math.isfinite(mean_loss) or bad_grads:
-                raise TrainingDiverged(state.step, mean_loss, latest_checkpoint(cfg.output_dir))
+                raise TrainingDiverged(state.step, mean_loss, newest_checkpoint(cfg))
             # collective: every rank stops at the same step
             stopping = stop_signals.requested(accelerator)
         log.advance()
@@ -239,7 +239,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
         path = export_model(
             accelerator,
             model,
-            cfg.output_dir,
+            cfg.run_dir,  # on object storage, uploaded with the run files (storage.py)
             save_extras=lambda folder: save_tokenizer(cfg, folder),
         )
     log.info(f"model: {path}")
@@ -289,7 +289,7 @@ def build_accelerator(cfg: TrainConfig):
         parallelism_config=parallelism_config,  # HSDP's replicate x shard mesh
         log_with=cfg.trackers()
         or None,  # started later, by MetricsLogger, on the main process only
-        project_dir=cfg.output_dir,  # TensorBoard writes under <output_dir>/<project>/
+        project_dir=cfg.run_dir,  # TensorBoard writes under <output_dir>/<project>/
     )
     check_world_size(accelerator.num_processes)
     return accelerator
@@ -394,7 +394,7 @@ def check_data_size(train_set, cfg: TrainConfig, num_processes: int) -> None:
 class TrainingDiverged(RunError):
     """The loss or the gradients went nan or inf. Stop: going on would only save broken weights."""
 
-    def __init__(self, step: int, loss: float, last_checkpoint: Path | None):
+    def __init__(self, step: int, loss: float, last_checkpoint: Path | str | None):
         what = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm was not finite"
         where = (
             f"resume from {last_checkpoint}"

@@ -6,6 +6,7 @@ checkpoint.py's."""
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from checkpoint import (
     as_part,
     checkpoint_problem,
+    checkpoint_root,
     committed_checkpoints,
     latest_checkpoint,
     load_checkpoint,
@@ -24,6 +26,7 @@ from checkpoint import (
 from errors import CheckpointError, ConfigError
 from plumbing import collectively, is_writer
 from saving import recover_interrupted_swap
+from storage import Bucket, is_url
 
 
 def check_sources(cfg) -> None:
@@ -49,17 +52,25 @@ def resume_or_start(plumbing, cfg, parts: dict, identity: dict, log):
 
 def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
     """Restore the checkpoint to resume, or start fresh (or from --init_from's weights)."""
-    writer = is_writer(plumbing, cfg.shared_filesystem)
+    writer = is_writer(plumbing, cfg.run_dir_is_shared)
 
     def recover():
         if writer:
-            recover_interrupted_swap(cfg.output_dir)
+            recover_interrupted_swap(cfg.run_dir)
 
     collectively(plumbing, "recovering checkpoints", recover)
-    if not cfg.resume and latest_checkpoint(cfg.output_dir) is not None:
+    if not cfg.resume and newest_checkpoint(cfg) is not None:
         raise ConfigError(
             f"output_dir '{cfg.output_dir}' already holds checkpoints; pass --resume latest to continue that "
             f"run, or choose another output_dir"
+        )
+    on_object_storage = is_url(cfg.output_dir) and cfg.resume == "latest"
+    if on_object_storage:  # each node's writer downloads the newest intact one (storage.py)
+        collectively(
+            plumbing,
+            f"downloading the newest checkpoint of {cfg.output_dir}",
+            lambda: download_newest(plumbing, cfg, writer, log),
+            CheckpointError,
         )
     folder = collectively(
         plumbing,
@@ -76,6 +87,11 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
         )
         step = parts["train_state"].step
         check_same_step_everywhere(plumbing, step)
+        if on_object_storage:
+            collectively(
+                plumbing, "removing the downloaded checkpoint", lambda: forget(folder, writer)
+            )
+            folder = Bucket(cfg.output_dir).step_url(step)
         log.info(f"resume: {folder} (step {step}){note}")
         return
     if cfg.resume:
@@ -86,6 +102,31 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
             plumbing, "init_from", lambda: init_weights(module, cfg.init_from), CheckpointError
         )
         log.info(f"init_from: weights of {source}, starting at step 0 with a fresh optimizer")
+
+
+def newest_checkpoint(cfg) -> Path | str | None:
+    """The run's newest committed checkpoint: a folder, or on object storage a URL."""
+    if is_url(cfg.output_dir):
+        return Bucket(cfg.output_dir).newest()
+    return latest_checkpoint(cfg.output_dir)
+
+
+def download_newest(plumbing, cfg, writer: bool, log) -> None:
+    """A run on object storage: this node's writer downloads the newest checkpoint whose files match
+    its manifest into the staging folder, where every process of the node then finds it; the main
+    process also the run files, which the resumed run continues."""
+    if not writer:
+        return
+    bucket = Bucket(cfg.output_dir)
+    bucket.download_newest(checkpoint_root(cfg.run_dir), log)
+    if plumbing.is_main_process:
+        bucket.download_run_files(cfg.run_dir)
+
+
+def forget(downloaded: Path, writer: bool) -> None:
+    """A downloaded checkpoint, once every process has loaded it: the bucket keeps the original."""
+    if writer:
+        shutil.rmtree(downloaded)
 
 
 def lr_horizon(cfg, saved_horizon: int, log) -> int:
@@ -106,7 +147,7 @@ def checkpoint_to_resume(cfg, warn) -> Path | None:
     if not cfg.resume:
         return None
     if cfg.resume == "latest":
-        for folder in reversed(committed_checkpoints(cfg.output_dir)):
+        for folder in reversed(committed_checkpoints(cfg.run_dir)):
             problem = checkpoint_problem(folder)
             if problem is None:
                 return folder

@@ -49,6 +49,7 @@ from checkpoint import (
 from errors import CheckpointError, RunError
 from hangs import patiently
 from plumbing import collectively, is_writer
+from storage import Bucket, is_url
 
 WRITER_WAIT_AT_EXIT_S = 10.0  # bounded: a write stuck on a dead filesystem must not hold the exit
 
@@ -173,10 +174,19 @@ class Transaction:
         self.parts = parts
         self.step = step
         self.run_identity = {**run_geometry(plumbing, cfg), **identity}
-        self.final = checkpoint_root(cfg.output_dir) / f"{STEP_PREFIX}{step:08d}"
+        self.final = checkpoint_root(cfg.run_dir) / f"{STEP_PREFIX}{step:08d}"
         self.tmp = self.final.with_name(self.final.name + ".tmp")
-        self.writer = is_writer(plumbing, cfg.shared_filesystem)
-        self.ranks = node_ranks(plumbing, cfg.shared_filesystem)
+        self.writer = is_writer(plumbing, cfg.run_dir_is_shared)
+        self.ranks = node_ranks(plumbing, cfg.run_dir_is_shared)
+        self.bucket = None
+        if is_url(cfg.output_dir):
+            # object storage (storage.py): each process stages its own files and uploads them; the
+            # main process writes the files a checkpoint holds once, and the manifest last
+            self.bucket = Bucket(cfg.output_dir)
+            self.final = self.bucket.step_url(step)
+            self.tmp = self.tmp / f"rank{plumbing.process_index}"
+            self.writer = plumbing.is_main_process
+            self.ranks = range(plumbing.process_index, plumbing.process_index + 1)
 
     def run(self) -> None:
         """The whole save, in the loop."""
@@ -190,9 +200,15 @@ class Transaction:
         collectively(self.plumbing, f"committing {self.final}", self.commit)
 
     def create_tmp(self) -> None:
-        if self.writer:
+        if self.bucket is not None and self.writer:
+            self.bucket.clear_step(self.step)  # an earlier save of this step, its manifest first
+        if self.writer or self.bucket is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            check_space(self.final.parent, checkpoint_bytes(self.parts, self.ranks), self.step)
+            check_space(
+                checkpoint_root(self.cfg.run_dir),
+                checkpoint_bytes(self.parts, self.ranks),
+                self.step,
+            )
             self.tmp.mkdir(parents=True)
 
     def write_parts(self, parts: dict) -> None:
@@ -202,9 +218,11 @@ class Transaction:
             if self.writer:  # provenance: the whole resolved config
                 config = yaml.safe_dump(asdict(self.cfg), sort_keys=False).encode()
                 write_file(self.tmp / "config.yaml", config)
+            if self.bucket is not None:
+                self.bucket.upload(self.tmp, self.step, self.plumbing.process_index)
         except Exception as e:
             # torch.save reports a full disk as "enforce fail at inline_container.cc ... unexpected pos"
-            folder = self.final.parent
+            folder = checkpoint_root(self.cfg.run_dir)
             if out_of_space(e, folder):
                 raise RunError(
                     f"no space left on {folder} ({human_bytes(free_bytes(folder))} free): the "
@@ -214,15 +232,29 @@ class Transaction:
             raise
 
     def remove_tmp(self) -> None:
-        if self.writer:
+        if self.writer or self.bucket is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def commit(self) -> None:
-        if self.writer:
+        if self.bucket is not None:
+            self.commit_on_object_storage()
+        elif self.writer:
             expected = expected_files(self.parts, self.ranks)
             about = {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
             publish(self.tmp, self.final, expected, about)
-            prune_checkpoints(self.cfg.output_dir, self.cfg.keep_last)
+            prune_checkpoints(self.cfg.run_dir, self.cfg.keep_last)
+
+    def commit_on_object_storage(self) -> None:
+        """Each process's staged copy is uploaded: removed. The main process writes the manifest
+        (every process's list of its uploads, merged), prunes and uploads the run files."""
+        shutil.rmtree(self.tmp.parent if self.writer else self.tmp, ignore_errors=True)
+        if not self.writer:
+            return
+        world = range(self.plumbing.num_processes)
+        about = {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
+        self.bucket.commit(self.step, len(world), expected_files(self.parts, world), about)
+        self.bucket.prune(self.cfg.keep_last)
+        self.bucket.upload_run_files(self.cfg.run_dir)
 
 
 def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Path:

@@ -202,7 +202,7 @@ class TorchDDP:
             return
         for name in self.cfg.trackers():
             tracker_class, kwargs = LOGGER_TYPE_TO_CLASS[name], (init_kwargs or {}).get(name, {})
-            logging_dir = [self.cfg.output_dir] if tracker_class.requires_logging_directory else []
+            logging_dir = [self.cfg.run_dir] if tracker_class.requires_logging_directory else []
             self.trackers.append(tracker_class(project_name, *logging_dir, **kwargs))
             self.trackers[-1].start()
             self.trackers[-1].store_init_configuration(config)

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from config import TrainConfig
 from errors import first_line
 from provenance import launch_record
+from storage import Bucket, is_url
 
 PREEMPTED_MARKER = "preempted.json"
 
@@ -35,7 +36,7 @@ class MetricsLogger:
         self.plumbing = plumbing
         self.enabled = plumbing.is_main_process
         self.show_progress = plumbing.is_local_main_process
-        self.output_dir = Path(cfg.output_dir)
+        self.output_dir = Path(cfg.run_dir)  # on object storage, the staging folder (storage.py)
         self.metrics_file = None
         self.bar = None
         self.tracker_failed = False
@@ -56,6 +57,8 @@ class MetricsLogger:
                 mininterval=1.0,
                 disable=None,
             )
+        if self.show_progress:  # this run is the requeued one (on object storage, each node's)
+            (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,6 @@ class MetricsLogger:
         )
         launches = [*previous, launch_record()]
         info_file.write_text(json.dumps({**run_info, "launches": launches}, indent=2) + "\n")
-        (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this run is the requeued one
         path = self.output_dir / "metrics.jsonl"
         logged = path.read_text().splitlines(keepends=True) if path.exists() else []
         # a resume re-logs the rest
@@ -146,8 +148,10 @@ class MetricsLogger:
 
     def stopped(self, step: int, signal_name: str, checkpoint: str) -> None:
         """A stop on a signal, with a checkpoint. Except after Ctrl-C, leave the requeue marker."""
-        if self.enabled and signal_name != "SIGINT":
-            write_preempted_marker(self.cfg.output_dir, step, signal_name, checkpoint)
+        # on object storage, each node's staging folder holds one: each node's job script reads it
+        marks = self.enabled or (is_url(self.cfg.output_dir) and self.show_progress)
+        if marks and signal_name != "SIGINT":
+            write_preempted_marker(self.cfg.run_dir, step, signal_name, checkpoint)
         self.info(
             f"stopping at step {step} on {signal_name}, checkpoint saved: continue with "
             f"--output_dir {self.cfg.output_dir} --resume latest"
@@ -184,6 +188,9 @@ class MetricsLogger:
         if self.metrics_file is not None:
             self.metrics_file.close()
             self.metrics_file = None
+            if is_url(self.cfg.output_dir):  # the run files as they end, the export among them
+                Bucket(self.cfg.output_dir).upload_run_files(self.cfg.run_dir)
+                self.info(f"run files uploaded to {self.cfg.output_dir}")
         finish_trackers(self.plumbing)
 
 
@@ -204,7 +211,7 @@ def wandb_init_kwargs(cfg: TrainConfig, run_id: str, resumed_step: int) -> dict:
     `wandb login`."""
     # quiet: no ~25-line summary at the end of every run (the offline sync hint is printed by
     # start_trackers)
-    kwargs = {"name": cfg.run_label, "dir": cfg.output_dir, "settings": {"quiet": True}}
+    kwargs = {"name": cfg.run_label, "dir": cfg.run_dir, "settings": {"quiet": True}}
     if resumed_step:
         kwargs["resume_from"] = f"{run_id}?_step={resumed_step}"
     else:
