@@ -22,7 +22,7 @@ import yaml
 
 from errors import ConfigError
 from sources import Source, parse_dataset
-from storage import is_url, staging_folder, url_problem
+from storage import is_url, staging_folder
 
 TRACKERS = ("none", "wandb", "tensorboard")
 
@@ -282,9 +282,6 @@ class TrainConfig:
         sharded_needs_one_folder = self.fsdp == "no" or self.shared_filesystem
         why = "needs shared_filesystem true (every process writes its shards into one checkpoint folder)"
         _require("fsdp", sharded_needs_one_folder, why, self.fsdp)
-        if is_url(self.output_dir):  # the package it needs, the bucket (storage.py)
-            problem = url_problem(self.output_dir)
-            _require("output_dir", problem is None, problem, self.output_dir)
         _require(
             "staging_dir", not is_url(self.staging_dir), "must be a local folder", self.staging_dir
         )

@@ -34,6 +34,7 @@ from hangs import explain as explain_hang
 from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
+from storage import check_output_dir
 from task import check_fork_files
 from tracking import write_preempted_marker
 
@@ -327,6 +328,7 @@ def load_checked_config(argv) -> TrainConfig:
     cfg = load_config(argv)
     check_fork_files(cfg)  # model.py and data.py define what the template uses
     check_sources(cfg)  # --resume, --init_from
+    check_output_dir(cfg.output_dir)  # on object storage: the package it needs, the bucket
     check_devices(cfg)  # sync_batchnorm: GPUs only
     check_launch()  # a multi-node environment that started this process alone
     # each source of a mixture, or the one dataset

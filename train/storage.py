@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from errors import CheckpointError, first_line
+from errors import CheckpointError, ConfigError, first_line
 
 # config.py imports this module for the start-up check: it stays light, and checkpoint.py (torch) is
 # imported only by the Bucket's methods, which a run on object storage calls after start-up
@@ -69,18 +69,36 @@ def staging_folder(url: str, staging_dir: str) -> str:
     )
 
 
+def check_output_dir(output_dir: str) -> None:
+    """At start-up, before any process group: a run on object storage can be kept there."""
+    if not is_url(output_dir):
+        return
+    problem = url_problem(output_dir)
+    if problem is not None:
+        raise ConfigError(f"output_dir {problem} (got {output_dir!r})")
+
+
 def url_problem(url: str) -> str | None:
     """Why a run cannot be kept at `url` (checked at start-up, before any process group), or None:
     the filesystem's package missing, the URL malformed, the bucket absent or unreachable."""
     try:
         bucket = Bucket(url)
-    except ImportError as e:
-        return (
-            f"needs an optional package: {first_line(e)} (pip install -r requirements-storage.txt)"
-        )
+    except ImportError:
+        return f"needs {package_for(url)}, an optional install: pip install {package_for(url)}"
     except (ValueError, TypeError) as e:
         return f"is not a URL fsspec can open ({first_line(e)})"
     return bucket.reachability_problem()
+
+
+def package_for(url: str) -> str:
+    """The package that gives fsspec a URL's protocol: s3fs for s3://, gcsfs for gs://, ..."""
+    try:
+        from fsspec.registry import known_implementations
+    except ImportError:
+        return "fsspec"
+    protocol = url.split("://")[0]
+    known = known_implementations.get(protocol, {"class": "fsspec"})
+    return known["class"].split(".")[0]
 
 
 class Bucket:
