@@ -38,12 +38,11 @@ def test_shipped_presets_load():
         assert isinstance(load_config(["--config", str(preset), *offline]), TrainConfig), preset
 
 
-def test_an_object_store_url_as_output_dir_is_one_line_naming_the_key():
+def test_a_staging_dir_must_be_a_local_folder():
     with pytest.raises(
-        ConfigError,
-        match=r"output_dir must be a folder on a filesystem .* \(got .s3://bucket/run.\)",
+        ConfigError, match=r"^staging_dir must be a local folder \(got .s3://b/x.\)"
     ):
-        load_config(["--output_dir", "s3://bucket/run"])
+        load_config(["--output_dir", "s3://bucket/run", "--staging_dir", "s3://b/x"])
 
 
 @pytest.mark.parametrize(

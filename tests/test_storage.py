@@ -136,6 +136,8 @@ def test_the_staging_folder_is_named_after_the_url_unless_given():
     cfg = TrainConfig(output_dir="s3://bucket/team/run")
     assert cfg.run_dir.endswith("/train-staging/s3/bucket/team/run")
     assert not cfg.run_dir_is_shared  # each node stages its own
-    assert TrainConfig(output_dir="s3://b/run", staging_dir="/scratch/run").run_dir == "/scratch/run"
+    assert (
+        TrainConfig(output_dir="s3://b/run", staging_dir="/scratch/run").run_dir == "/scratch/run"
+    )
     local = TrainConfig(output_dir="/runs/a")
     assert local.run_dir == "/runs/a" and local.run_dir_is_shared
