@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from test_resume import children_of
 
 from conftest import (
     REPO,
@@ -23,7 +24,6 @@ from conftest import (
     launch_accelerate,
     run_python,
 )
-from test_resume import children_of
 
 pytestmark = pytest.mark.slow
 INSTALL = "pip install -r requirements-storage.txt"
