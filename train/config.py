@@ -16,15 +16,17 @@ import inspect
 import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, fields
+from urllib.parse import urlsplit
 
 import yaml
 
 from errors import ConfigError
 from sources import Source, parse_dataset
-from storage import is_url, staging_folder
 
 TRACKERS = ("none", "wandb", "tensorboard")
+URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")  # output_dir on object storage: s3://, gs://, ...
 
 
 # frozen: a value is settled once (a changed value is a new config, dataclasses.replace), in
@@ -503,3 +505,23 @@ def usage() -> str:
             f"  --{f.name:<17} {f.type:<5} default {f.default!r:<24} {comments.get(f.name, '')}"
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- a run on object storage (storage.py)
+
+
+def is_url(output_dir: str) -> bool:
+    """Whether output_dir names object storage (any fsspec URL) rather than a folder."""
+    return bool(URL.match(output_dir))
+
+
+def staging_folder(url: str, staging_dir: str) -> str:
+    """The local folder a node writes a run on object storage in: --staging_dir, or one named after
+    the URL in the system's temporary folder. It must be this node's own: the run folder's lock
+    (job.py) refuses a second node on the same one."""
+    if staging_dir:
+        return staging_dir
+    parts = urlsplit(url)
+    return os.path.join(
+        tempfile.gettempdir(), "train-staging", parts.scheme, parts.netloc + parts.path
+    )

@@ -23,10 +23,11 @@ from checkpoint import (
     read_manifest,
     run_geometry,
 )
+from config import is_url
 from errors import CheckpointError, ConfigError
 from plumbing import collectively, is_writer
 from saving import recover_interrupted_swap
-from storage import Bucket, is_url
+from storage import Bucket
 
 
 def check_sources(cfg) -> None:

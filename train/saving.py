@@ -46,10 +46,11 @@ from checkpoint import (
     run_geometry,
     write_file,
 )
+from config import is_url
 from errors import CheckpointError, RunError
 from hangs import patiently
 from plumbing import collectively, is_writer
-from storage import Bucket, is_url
+from storage import Bucket
 
 WRITER_WAIT_AT_EXIT_S = 10.0  # bounded: a write stuck on a dead filesystem must not hold the exit
 

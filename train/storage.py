@@ -35,38 +35,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
+from checkpoint import COMMITTED_NAME, MANIFEST, STEP_PREFIX, checkpoint_problem, file_digest
+from config import is_url
 from errors import CheckpointError, ConfigError, first_line
 
-# config.py imports this module for the start-up check: it stays light, and checkpoint.py (torch) is
-# imported only by the Bucket's methods, which a run on object storage calls after start-up
-
 UPLOADED = "uploaded"  # step_N/uploaded/rank{r}.json: what process r uploaded
-URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
 RUN_FILES_NOT_UPLOADED = (".lock",)
-
-
-def is_url(output_dir: str) -> bool:
-    """Whether output_dir names object storage (any fsspec URL) rather than a folder."""
-    return bool(URL.match(output_dir))
-
-
-def staging_folder(url: str, staging_dir: str) -> str:
-    """The local folder a node writes a run on object storage in: --staging_dir, or one named after
-    the URL in the system's temporary folder. It must be this node's own: the run folder's lock
-    (job.py) refuses a second node on the same one."""
-    if staging_dir:
-        return staging_dir
-    parts = urlsplit(url)
-    return os.path.join(
-        tempfile.gettempdir(), "train-staging", parts.scheme, parts.netloc + parts.path
-    )
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -136,8 +114,6 @@ class Bucket:
         """Before a save of `step`: remove what an earlier save of the same step left (a resumed run
         saving it again, or an unfinished save's files), its manifest first."""
         folder = self._step(step_name(step))
-        from checkpoint import MANIFEST
-
         self.fs.invalidate_cache()
         if self.fs.exists(f"{folder}/{MANIFEST}"):
             self.fs.rm(f"{folder}/{MANIFEST}")
@@ -147,8 +123,6 @@ class Bucket:
     def upload(self, local: Path, step: int, rank: int) -> None:
         """Upload every file of this process's staging folder, then the list of them (with sizes
         and checksums) that the commit merges into the manifest."""
-        from checkpoint import file_digest
-
         folder = self._step(step_name(step))
         files = {}
         for path in sorted(local.rglob("*")):
@@ -161,8 +135,6 @@ class Bucket:
 
     def commit(self, step: int, world_size: int, expected: list[str], about: dict) -> None:
         """After every process's vote: the manifest, written last, from every process's list."""
-        from checkpoint import MANIFEST
-
         folder = self._step(step_name(step))
         listings = [f"{folder}/{UPLOADED}/rank{rank}.json" for rank in range(world_size)]
         self.fs.invalidate_cache()
@@ -184,8 +156,6 @@ class Bucket:
 
     def committed(self) -> list[str]:
         """The committed checkpoints' names (step_N, a manifest present), oldest first."""
-        from checkpoint import COMMITTED_NAME, MANIFEST, STEP_PREFIX
-
         self.fs.invalidate_cache()
         manifests = self.fs.glob(f"{self.root}/checkpoints/{STEP_PREFIX}*/{MANIFEST}")
         names = [manifest.rstrip("/").split("/")[-2] for manifest in manifests]
@@ -199,8 +169,6 @@ class Bucket:
     def prune(self, keep_last: int) -> None:
         """Delete all but the newest `keep_last` committed checkpoints (each manifest first), and
         unfinished saves. Called right after a commit: no save is in flight."""
-        from checkpoint import MANIFEST
-
         committed = self.committed()
         for name in committed[:-keep_last]:
             self.fs.rm(f"{self._step(name)}/{MANIFEST}")
@@ -217,8 +185,6 @@ class Bucket:
     def download_newest(self, checkpoints: Path, log) -> Path | None:
         """Download the newest committed checkpoint whose files all match its manifest into
         `checkpoints` (emptied first), or None if there is none."""
-        from checkpoint import MANIFEST, checkpoint_problem
-
         shutil.rmtree(checkpoints, ignore_errors=True)
         for name in reversed(self.committed()):
             local = checkpoints / name
@@ -270,4 +236,4 @@ class Bucket:
 
 
 def step_name(step: int) -> str:
-    return f"step_{step:08d}"  # checkpoint.STEP_PREFIX, zero-padded as checkpoint folders are
+    return f"{STEP_PREFIX}{step:08d}"  # zero-padded: they sort as text

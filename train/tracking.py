@@ -22,10 +22,10 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from config import TrainConfig
+from config import TrainConfig, is_url
 from errors import first_line
 from provenance import launch_record
-from storage import Bucket, is_url
+from storage import Bucket
 
 PREEMPTED_MARKER = "preempted.json"
 
