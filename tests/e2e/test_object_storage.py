@@ -2,7 +2,8 @@
 the baseline's 2-process run with --output_dir s3://..., SIGKILLed while a checkpoint is being
 uploaded, resumes on a "new pod" (an empty staging folder) from the previous checkpoint and ends
 bitwise equal to the uninterrupted run; a damaged newest checkpoint on the bucket is skipped with a
-warning. The optional install they need: pip install -r requirements-storage.txt."""
+warning; two launchers as two nodes, each staging on its own folder, killed together mid-upload and
+restarted on empty ones. The optional install they need: pip install -r requirements-storage.txt."""
 
 import json
 import logging
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_resume import children_of
+from test_two_node import accelerate_node, assert_same_run, finish, two_node_args
 
 from conftest import (
     REPO,
@@ -21,6 +23,7 @@ from conftest import (
     assert_matches_baseline,
     base_env,
     baseline_args,
+    free_port,
     launch_accelerate,
     run_python,
 )
@@ -174,3 +177,57 @@ def test_a_bucket_that_does_not_exist_is_one_line_before_any_process_starts(s3, 
         "error: output_dir names a bucket that does not exist (or that these credentials cannot "
         "see) (got 's3://no-such-bucket/run')"
     ]
+
+
+def test_two_nodes_each_staging_its_own_files_resume_from_the_bucket_after_both_die(
+    s3, corpus, four_processes, tmp_path, monkeypatch
+):
+    """Two launchers as two nodes, each with its own staging folder (its own disk): every process
+    uploads its own files, node 0's main process commits. Both nodes killed while step 8 uploads,
+    then restarted on empty staging folders: each node's writer downloads step 4, and the run ends as
+    the one-launcher run of 4 processes did."""
+    run = "two-nodes"
+    url = f"s3://{BUCKET}/{run}"
+    arrived, release = hold_the_first_upload_of(f"{run}/checkpoints/step_00000008/", monkeypatch)
+    env = base_env(tmp_path, **s3.env)
+
+    def start_nodes(attempt: str, resume: list[str]):
+        port = free_port()
+        nodes = []
+        for rank in (0, 1):
+            staging = ["--staging_dir", str(tmp_path / f"{attempt}-node{rank}")]
+            cmd = accelerate_node(rank, port, [*two_node_args(url, corpus), *staging, *resume])
+            nodes.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        return nodes
+
+    nodes = start_nodes("first", [])
+    assert arrived.wait(timeout=180), "step 8's upload never started"
+    for node in nodes:
+        for pid in [*descendants(node.pid), node.pid]:
+            os.kill(pid, signal.SIGKILL)
+        node.communicate(timeout=60)
+    release.set()
+    assert s3.steps(run) == {"step_00000004": True, "step_00000008": False}
+
+    outputs = finish(start_nodes("restarted", ["--resume", "latest"]))
+    for rank, text in enumerate(outputs):
+        assert "Traceback" not in text, f"node {rank}:\n{text[-3000:]}"
+    assert f"resume: {url}/checkpoints/step_00000004 (step 4)" in outputs[0]
+    manifest = json.loads(
+        s3.client.get_object(Bucket=BUCKET, Key=f"{run}/checkpoints/step_00000008/manifest.json")[
+            "Body"
+        ].read()
+    )
+    assert {f"rng_rank{r}.pt" for r in range(4)} <= set(manifest["files"])
+    downloaded = s3.download(run, ["model.safetensors", "metrics.jsonl"], tmp_path / "downloaded")
+    assert_same_run(downloaded, four_processes, resumed=True)
