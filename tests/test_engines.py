@@ -1,12 +1,14 @@
 """The engines beyond SLURM, without a cluster: the Kubernetes (JobSet) and SkyPilot files parsed and checked for
 what a restart needs, and scripts/torchrun_job.sh, the command both run on each node, with a fake torchrun: it
 passes SIGTERM on as a container's first process must, and turns a stop into exit 75. The real trainings under
-each engine's variables: tests/e2e/test_engine_runs.py."""
+each engine's variables: tests/e2e/test_engine_runs.py. The Ray script's own check before Ray starts; its
+run under Ray: tests/e2e/test_ray.py."""
 
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -98,7 +100,7 @@ FAKE_TORCHRUN = """#!/bin/bash
 # a torchrun that records its arguments and stands in for a training: on SIGTERM it "saves" (writes
 # preempted.json, as the run does) and exits 1, as torchrun does whatever its workers' codes
 echo "$@" > "$FAKE_LOG"
-trap 'sleep 0.3; echo "{}" > "$OUTPUT_DIR/preempted.json"; exit 1' TERM
+trap 'sleep 0.3; echo "{}" > "${MARKER_DIR:-$OUTPUT_DIR}/preempted.json"; exit 1' TERM
 touch "$FAKE_LOG.started"
 while true; do sleep 0.05; done
 """
@@ -163,3 +165,42 @@ def test_the_job_script_keeps_torchrun_s_code_when_the_run_did_not_stop_on_a_sig
     job = start_job(without_folder)
     assert job.wait(timeout=10) != 0
     assert b"set OUTPUT_DIR to the run folder" in job.stdout.read()
+
+
+def test_on_object_storage_the_job_script_stages_on_the_node_and_finds_the_stop_there(
+    fake_torchrun,
+):
+    """OUTPUT_DIR a bucket's URL: the run is written in STAGING_DIR first (train/storage.py), where a
+    stop's preempted.json is, so a stop is still exit 75."""
+    env, tmp_path = fake_torchrun
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    env = {
+        **env,
+        "OUTPUT_DIR": "s3://bucket/run",
+        "STAGING_DIR": str(staging),
+        "MARKER_DIR": str(staging),
+    }
+    job = start_job(env)
+    wait_for(tmp_path / "torchrun.log.started")
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=10) == STOP_CODE, job.stdout.read()
+    args = (tmp_path / "torchrun.log").read_text().split()
+    assert args[:5] == [
+        "train/main.py",
+        "--output_dir",
+        "s3://bucket/run",
+        "--staging_dir",
+        str(staging),
+    ]
+
+
+def test_the_ray_script_refuses_a_bad_flag_in_one_line_before_ray_starts(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "ray" / "train.py"), "--", "--lr", "-1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: lr must be > 0 (got -1.0)"]
