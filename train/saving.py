@@ -13,6 +13,10 @@ publish). A failed write on any process is an error on every process (plumbing.c
 previous checkpoint stays the newest. A crash while a save is in flight leaves step_N.tmp, never
 loaded and removed after the next commit.
 
+On object storage (--output_dir s3://..., storage.py) the phases are the same, each process's files
+staged in a folder of its own and uploaded in the write, and the manifest, uploaded last from every
+process's list of its uploads, is the commit: objects cannot be renamed.
+
 The format of each part (what a copy in CPU memory of it is, how it is written) is checkpoint.py's;
 sharded parts are written by torch.distributed.checkpoint's own async_save, whose collectives run on
 a gloo group of their own so that they never interleave with training's.
