@@ -303,6 +303,28 @@ BREAKS = (
             "the_one_before",
         ),
     ),
+    Break(
+        "object storage: a restarted pod does not download the run files (metrics.jsonl starts over)",
+        "train/resume.py",
+        "        bucket.download_run_files(cfg.run_dir)\n",
+        "        pass\n",
+        (
+            "tests/e2e/test_object_storage.py::test_a_run_on_s3_killed_mid_upload_resumes_bitwise_and_"
+            "skips_a_damaged_checkpoint",
+        ),
+        quick=False,
+    ),
+    Break(
+        "Ray: a restarted worker group starts afresh instead of resuming",
+        "scripts/ray/train.py",
+        '"args": [*train_args, "--resume", "latest"],',
+        '"args": train_args,',
+        (
+            "tests/e2e/test_ray.py::test_a_worker_killed_under_ray_is_restarted_and_the_run_resumes_"
+            "bitwise",
+        ),
+        quick=False,
+    ),
 )
 
 
