@@ -507,7 +507,7 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- a run on object storage (storage.py)
+# ---------------------------------------------------------------- a run on object storage
 
 
 def is_url(output_dir: str) -> bool:

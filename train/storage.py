@@ -143,7 +143,8 @@ class Bucket:
         for listing in listings:
             if listing not in found:
                 raise CheckpointError(
-                    f"checkpoint of step {step}: {listing} never arrived (a process's upload was lost)"
+                    f"checkpoint of step {step}: {listing} never arrived (a process's upload "
+                    "was lost)"
                 )
             files.update(json.loads(found[listing]))
         missing = [name for name in expected if name not in files]
@@ -202,11 +203,13 @@ class Bucket:
                 size = sum(entry["bytes"] for entry in manifest["files"].values())
                 seconds = time.perf_counter() - started
                 log.info(
-                    f"downloaded {self.url}/checkpoints/{name}: {size / 1e6:.1f} MB in {seconds:.1f} s"
+                    f"downloaded {self.url}/checkpoints/{name}: {size / 1e6:.1f} MB in "
+                    f"{seconds:.1f} s"
                 )
                 return local
             log.warn(
-                f"skipping damaged checkpoint {self.url}/checkpoints/{name}: {problem}; trying the one before"
+                f"skipping damaged checkpoint {self.url}/checkpoints/{name}: {problem}; trying "
+                "the one before"
             )
             shutil.rmtree(local)
         return None

@@ -3,7 +3,7 @@ same train(), the same config) as its child process, with the rank Ray gave it.
 
     python scripts/ray/train.py --workers 16 --gpus_per_worker 1 -- --output_dir s3://bucket/run \\
         --config train/configs/gpt2_small.yaml --mixed_precision bf16
-    python scripts/ray/train.py --workers 2 -- --output_dir /shared/run --max_steps 200   # 2 CPU workers
+    python scripts/ray/train.py --workers 2 -- --output_dir /shared/run --max_steps 200  # CPU
 
 Everything after `--` is train/main.py's flags; `--resume latest` is added, so that a restarted
 worker group continues from the run's newest checkpoint (the first start has none). An optional
@@ -22,8 +22,8 @@ thread of its actor, where no signal handler can be installed (the template's st
 its checkpoint) and where an exit is not the process's. In a child process each rank is the process
 the template is written for (its stop signals, its one error line, its exit codes, the run folder's
 lock), exactly as under torchrun. The child is killed with its worker (PR_SET_PDEATHSIG): a worker
-group that Ray tears down leaves no rank behind to hold the run folder. Its process group is its own,
-on a port rank 0 picks and sends to the others over Ray's.
+group that Ray tears down leaves no rank behind to hold the run folder. Its process group is its
+own, on a port rank 0 picks and sends to the others over Ray's.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError:
         print(
-            "error: Ray Train is an optional install: python -m pip install -r requirements-ray.txt",
+            "error: Ray Train is an optional install: "
+            "python -m pip install -r requirements-ray.txt",
             file=sys.stderr,
         )
         return 2
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         train_loop_config={
             "entry": args.entry,
             "args": [*train_args, "--resume", "latest"],
-            "cwd": os.getcwd(),  # relative paths in the flags are the caller's (Ray's workers run elsewhere)
+            # relative paths in the flags are the caller's (Ray's workers run elsewhere)
+            "cwd": os.getcwd(),
         },
         # gloo: Ray's own process group only carries the port of ours (rendezvous_port)
         torch_config=TorchConfig(backend="gloo"),
