@@ -29,6 +29,15 @@ def bucket_job(tmp_path: Path, staging: str, **kw) -> Job:
     )
 
 
+def train_on(job: Job) -> dict:
+    """The weights as they are (a copy), then changed as a training step would change them."""
+    before = {name: tensor.clone() for name, tensor in job.model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in job.model.parameters():
+            parameter.add_(1.0)
+    return before
+
+
 def steps_in(bucket_root: Path) -> dict:
     """Each step folder on the "bucket", and whether it has a manifest (is committed)."""
     folders = sorted((bucket_root / "checkpoints").iterdir())
@@ -61,11 +70,8 @@ def test_a_checkpoint_on_object_storage_is_committed_by_its_manifest_and_pruned_
 def test_a_save_that_never_finished_is_not_resumed_from_and_the_next_commit_removes_it(tmp_path):
     job = bucket_job(tmp_path, "staging")
     job.save(2)
-    weights_at_2 = {k: v.clone() for k, v in job.model.state_dict().items()}
+    weights_at_2 = train_on(job)
     # step 4's upload, killed before its manifest: its files are there, not its manifest
-    with torch.no_grad():
-        for parameter in job.model.parameters():
-            parameter.add_(1.0)
     bucket = storage.Bucket(job.cfg.output_dir)
     staged = tmp_path / "killed"
     staged.mkdir()
@@ -87,10 +93,7 @@ def test_a_save_that_never_finished_is_not_resumed_from_and_the_next_commit_remo
 def test_a_resume_skips_a_damaged_checkpoint_with_a_warning_and_takes_the_one_before(tmp_path):
     job = bucket_job(tmp_path, "staging")
     job.save(2)
-    weights_at_2 = {k: v.clone() for k, v in job.model.state_dict().items()}
-    with torch.no_grad():
-        for parameter in job.model.parameters():
-            parameter.add_(1.0)
+    weights_at_2 = train_on(job)
     job.save(3)
     damaged = tmp_path / "bucket/run/checkpoints/step_00000003/model.safetensors"
     data = bytearray(damaged.read_bytes())

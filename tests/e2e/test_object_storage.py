@@ -85,6 +85,19 @@ def s3():
     server.stop()
 
 
+def start(cmd: list, env: dict) -> subprocess.Popen:
+    """A launch left running (the test kills it mid-upload), its output collected."""
+    return subprocess.Popen(
+        [str(part) for part in cmd],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def descendants(pid: int) -> list[int]:
     found = []
     for child in children_of(pid):
@@ -118,15 +131,7 @@ def test_a_run_on_s3_killed_mid_upload_resumes_bitwise_and_skips_a_damaged_check
     env = base_env(tmp_path, **s3.env)
     arrived, release = hold_the_first_upload_of(f"{run}/checkpoints/step_00000016/", monkeypatch)
     args = [*baseline_args(url, corpus), "--staging_dir", tmp_path / "pod1"]
-    with subprocess.Popen(
-        accelerate_cmd(args),
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    ) as job:
+    with start(accelerate_cmd(args), env) as job:
         assert arrived.wait(timeout=180), "step 16's upload never started"
         # the whole job mid-upload, as a node's loss would: no process says goodbye (torch elastic
         # starts its workers in sessions of their own: each is killed by its pid)
@@ -197,17 +202,7 @@ def test_two_nodes_each_staging_its_own_files_resume_from_the_bucket_after_both_
         for rank in (0, 1):
             staging = ["--staging_dir", str(tmp_path / f"{attempt}-node{rank}")]
             cmd = accelerate_node(rank, port, [*two_node_args(url, corpus), *staging, *resume])
-            nodes.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=REPO,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
+            nodes.append(start(cmd, env))
         return nodes
 
     nodes = start_nodes("first", [])
