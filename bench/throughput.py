@@ -154,6 +154,9 @@ def parse(argv: list[str]) -> tuple[dict, list[str]]:
             rest += FIXED_COST_MODEL
         elif key == "streaming" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
             opts["streaming"] = True
+        elif key == "streaming":  # `--streaming false`: the training config's key, not the variant
+            rest += argv[i : i + 2]
+            i += 1
         elif key == "startup" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
             opts["startup"] = 3  # launches of each kind
         elif key in opts:
