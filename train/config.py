@@ -40,6 +40,13 @@ class TrainConfig:
     # a run on object storage is written in this node's folder first, then uploaded; "" = one named
     # after output_dir in the system's temporary folder
     staging_dir: str = ""
+    # a run on object storage: the deadline of each checkpoint's upload, and of any other exchange
+    # with the store; past it the run says so in one line and exits 1. 0 = derived: 120 s, plus
+    # 1 s per 20 MB of the files (a store slower than that is not answering) (train/storage.py)
+    upload_timeout_s: int = 0
+    # a run on object storage: one job per URL, kept by a lease object the job renews every third
+    # of this; a requeued job waits up to this long for the lease of a job that was killed
+    store_lease_s: int = 30
     # model init, data order and dropout all derive from it
     seed: int = 1337
     # "" = start fresh, "latest" = newest complete checkpoint in output_dir (or fresh), or a folder
@@ -316,6 +323,7 @@ POSITIVE = (
     "bucket_cap_mb",
     "shuffle_buffer",
     "streaming_eval_blocks",
+    "store_lease_s",
     "lr",
     "muon_lr",
 )
@@ -328,6 +336,7 @@ NON_NEGATIVE = (
     "lr_decay_steps",
     "muon_weight_decay",
     "eval_limit",
+    "upload_timeout_s",
 )
 INTERVALS = {  # key: (low, high, as the error shows it)
     "dropout": (0, 1, "[0, 1)"),

@@ -27,14 +27,14 @@ import torch.distributed as dist
 
 from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
 from checks import check_dataset_name, check_devices, check_launch, check_model_and_tokenizer
-from config import TrainConfig, load_config
+from config import TrainConfig, is_url, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line
 from hangs import SILENT_WAIT_S, stop_watching
 from hangs import explain as explain_hang
 from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
-from storage import check_output_dir
+from storage import check_output_dir, take_lease
 from task import check_fork_files
 from tracking import write_preempted_marker
 
@@ -314,21 +314,25 @@ _CONTEXTS = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkSe
 # ---------------------------------------------------------------- how a job ends: one exit code, at most one line
 
 
-def load_config_or_exit(argv) -> TrainConfig:
+def load_config_or_exit(argv, lease: bool = True) -> TrainConfig:
     """The checked config, or `error: ...` and exit 2: before any process group, port or folder
-    exists."""
+    exists. `lease`: on object storage, take the run's lease (rank 0; a check alone does not)."""
     try:
-        return load_checked_config(argv)
+        return load_checked_config(argv, lease)
     except ConfigError as e:
         exit_with_error(e)
 
 
-def load_checked_config(argv) -> TrainConfig:
+def load_checked_config(argv, lease: bool = True) -> TrainConfig:
     """load_config's types and ranges, then what needs a file or the hub."""
     cfg = load_config(argv)
     check_fork_files(cfg)  # model.py and data.py define what the template uses
     check_sources(cfg)  # --resume, --init_from
-    check_output_dir(cfg.output_dir)  # on object storage: the package it needs, the bucket
+    check_output_dir(
+        cfg.output_dir, cfg.upload_timeout_s
+    )  # on object storage: the package it needs, the bucket
+    if lease and is_url(cfg.output_dir) and os.environ.get("RANK", "0") == "0":
+        take_lease(cfg)  # one job per URL, as the lock is one per folder (storage.py)
     check_devices(cfg)  # sync_batchnorm: GPUs only
     check_launch()  # a multi-node environment that started this process alone
     # each source of a mixture, or the one dataset

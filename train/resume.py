@@ -92,7 +92,7 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
             collectively(
                 plumbing, "removing the downloaded checkpoint", lambda: forget(folder, writer)
             )
-            folder = Bucket(cfg.output_dir).step_url(step)
+            folder = Bucket(cfg.output_dir, cfg.upload_timeout_s).step_url(step)
         log.info(f"resume: {folder} (step {step}){note}")
         return
     if cfg.resume:
@@ -108,7 +108,7 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
 def newest_checkpoint(cfg) -> Path | str | None:
     """The run's newest committed checkpoint: a folder, or on object storage a URL."""
     if is_url(cfg.output_dir):
-        return Bucket(cfg.output_dir).newest()
+        return Bucket(cfg.output_dir, cfg.upload_timeout_s).newest()
     return latest_checkpoint(cfg.output_dir)
 
 
@@ -118,7 +118,7 @@ def download_newest(plumbing, cfg, writer: bool, log) -> None:
     process also the run files, which the resumed run continues."""
     if not writer:
         return
-    bucket = Bucket(cfg.output_dir)
+    bucket = Bucket(cfg.output_dir, cfg.upload_timeout_s)
     bucket.download_newest(checkpoint_root(cfg.run_dir), log)
     if plumbing.is_main_process:
         bucket.download_run_files(cfg.run_dir)

@@ -56,6 +56,7 @@ from hangs import patiently
 from plumbing import collectively, is_writer
 from storage import Bucket
 
+SAID_WAIT_S = 5.0  # a wait for the background write longer than this is said
 WRITER_WAIT_AT_EXIT_S = 10.0  # bounded: a write stuck on a dead filesystem must not hold the exit
 
 
@@ -116,7 +117,13 @@ class Checkpointer:
         waited = time.perf_counter()
         transaction = save.transaction
         with patiently("a checkpoint save"):  # the others wait here for the slowest writer
-            save.thread.join()
+            save.thread.join(timeout=SAID_WAIT_S)
+            if save.thread.is_alive():  # never a silent wait: a slow disk, or a store's upload
+                self.log.info(
+                    f"waiting for the checkpoint of step {transaction.step} to be written to "
+                    f"{transaction.final} ({SAID_WAIT_S:.0f} s so far)"
+                )
+                save.thread.join()  # bounded: a store's upload has its deadline (storage.py)
             save.blocked_s += time.perf_counter() - waited
             collectively(
                 self.plumbing,
@@ -187,7 +194,7 @@ class Transaction:
         if is_url(cfg.output_dir):
             # object storage (storage.py): each process stages its own files and uploads them; the
             # main process writes the files a checkpoint holds once, and the manifest last
-            self.bucket = Bucket(cfg.output_dir)
+            self.bucket = Bucket(cfg.output_dir, cfg.upload_timeout_s)
             self.final = self.bucket.step_url(step)
             self.tmp = self.tmp / f"rank{plumbing.process_index}"
             self.writer = plumbing.is_main_process
@@ -258,7 +265,7 @@ class Transaction:
         world = range(self.plumbing.num_processes)
         about = {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
         self.bucket.commit(self.step, len(world), expected_files(self.parts, world), about)
-        self.bucket.prune(self.cfg.keep_last)
+        self.bucket.prune(self.cfg.keep_last, self.step)
         self.bucket.upload_run_files(self.cfg.run_dir)
 
 

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from config import TrainConfig, is_url
 from errors import first_line
 from provenance import launch_record
-from storage import Bucket
+from storage import Bucket, StoreError, store_failed
 
 PREEMPTED_MARKER = "preempted.json"
 
@@ -79,7 +79,7 @@ class MetricsLogger:
         # line-buffered: readable while training runs
         self.metrics_file = open(path, "a", buffering=1)
         # trackers are finished on every way out, errors included (W&B hangs otherwise)
-        atexit.register(self.close)
+        atexit.register(self.close_at_exit)
         for line in run_info_lines(run_info):
             self.info(line)
 
@@ -180,6 +180,13 @@ class MetricsLogger:
     def warn(self, message: str) -> None:
         self.info(f"warning: {message}")
 
+    def close_at_exit(self) -> None:
+        """close() on a way out that has said its line already: a failed upload is a warning."""
+        try:
+            self.close()
+        except StoreError as e:
+            self.warn(str(e))
+
     def close(self) -> None:
         """Idempotent: called at the end, on preemption, and at exit."""
         if self.bar is not None:
@@ -188,8 +195,10 @@ class MetricsLogger:
         if self.metrics_file is not None:
             self.metrics_file.close()
             self.metrics_file = None
-            if is_url(self.cfg.output_dir):  # the run files as they end, the export among them
-                Bucket(self.cfg.output_dir).upload_run_files(self.cfg.run_dir)
+            # the run files as they end, the export among them; nothing after a store's failure
+            if is_url(self.cfg.output_dir) and not store_failed():
+                bucket = Bucket(self.cfg.output_dir, self.cfg.upload_timeout_s)
+                bucket.upload_run_files(self.cfg.run_dir, at_the_end=True)
                 self.info(f"run files uploaded to {self.cfg.output_dir}")
         finish_trackers(self.plumbing)
 

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ENTRY.parent))
     from job import load_config_or_exit
 
-    load_config_or_exit([*train_args, "--resume", "latest"])
+    load_config_or_exit([*train_args, "--resume", "latest"], lease=False)  # rank 0 takes it
     try:
         import ray.train
         from ray.train.torch import TorchConfig, TorchTrainer

@@ -11,13 +11,16 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from test_resume import children_of
 from test_two_node import accelerate_node, assert_same_run, finish, two_node_args
 
 from conftest import (
+    LAUNCHER_FILE,
     REPO,
     accelerate_cmd,
     assert_matches_baseline,
@@ -26,7 +29,9 @@ from conftest import (
     free_port,
     launch_accelerate,
     run_python,
+    tiny_args,
 )
+from fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.slow
 INSTALL = "pip install -r requirements-storage.txt"
@@ -40,6 +45,7 @@ class S3:
     """The server's address and credentials as a job's environment, and a client of it."""
 
     def __init__(self, endpoint: str):
+        self.endpoint = endpoint
         self.env = {
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",
@@ -130,7 +136,8 @@ def test_a_run_on_s3_killed_mid_upload_resumes_bitwise_and_skips_a_damaged_check
     url = f"s3://{BUCKET}/{run}"
     env = base_env(tmp_path, **s3.env)
     arrived, release = hold_the_first_upload_of(f"{run}/checkpoints/step_00000016/", monkeypatch)
-    args = [*baseline_args(url, corpus), "--staging_dir", tmp_path / "pod1"]
+    # a killed job's lease is taken over after store_lease_s
+    args = [*baseline_args(url, corpus, store_lease_s=4), "--staging_dir", tmp_path / "pod1"]
     with start(accelerate_cmd(args), env) as job:
         assert arrived.wait(timeout=180), "step 16's upload never started"
         # the whole job mid-upload, as a node's loss would: no process says goodbye (torch elastic
@@ -201,7 +208,8 @@ def test_two_nodes_each_staging_its_own_files_resume_from_the_bucket_after_both_
         nodes = []
         for rank in (0, 1):
             staging = ["--staging_dir", str(tmp_path / f"{attempt}-node{rank}")]
-            cmd = accelerate_node(rank, port, [*two_node_args(url, corpus), *staging, *resume])
+            args = [*two_node_args(url, corpus, store_lease_s=4), *staging, *resume]
+            cmd = accelerate_node(rank, port, args)
             nodes.append(start(cmd, env))
         return nodes
 
@@ -226,3 +234,202 @@ def test_two_nodes_each_staging_its_own_files_resume_from_the_bucket_after_both_
     assert {f"rng_rank{r}.pt" for r in range(4)} <= set(manifest["files"])
     downloaded = s3.download(run, ["model.safetensors", "metrics.jsonl"], tmp_path / "downloaded")
     assert_same_run(downloaded, four_processes, resumed=True)
+
+
+# ---------------------------------------------------------------- the store failing under a run
+
+
+def through_a_proxy(s3, tmp_path, **env) -> tuple[FaultProxy, dict]:
+    """A fault proxy in front of the S3 server, and the job's environment pointing at it."""
+    server = urlsplit(s3.endpoint)
+    proxy = FaultProxy(server.hostname, server.port)
+    return proxy, {**s3.env, "AWS_ENDPOINT_URL": proxy.endpoint, **env}
+
+
+def on_the_first_upload_of(prefix: str, monkeypatch, fault) -> dict:
+    """Call fault() when the server receives the first object PUT under `prefix` (the request then
+    goes on, into the fault: its answer held or cut). Returns {"at": the monotonic time}."""
+    from moto.s3.models import S3Backend
+
+    when = {}
+    put_object = S3Backend.put_object
+
+    def faulted(self, bucket_name, key_name, *args, **kwargs):
+        if key_name.startswith(prefix) and not when:
+            when["at"] = time.monotonic()
+            fault()
+            raise ConnectionAbortedError("the fault proxy cut this request")
+        return put_object(self, bucket_name, key_name, *args, **kwargs)
+
+    monkeypatch.setattr(S3Backend, "put_object", faulted)
+    return when
+
+
+def once_committed(s3, run: str, step: int, staging: Path, fault) -> dict:
+    """Call fault() between two checkpoints: once `step`'s checkpoint is committed on the bucket and
+    the run has logged two more steps (the commit, at a logging step, is then behind it)."""
+    when = {}
+
+    def logged() -> int:
+        metrics = staging / "metrics.jsonl"
+        rows = metrics.read_text().splitlines() if metrics.exists() else []
+        return max((json.loads(row)["step"] for row in rows if '"loss"' in row), default=0)
+
+    def watch():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not s3.steps(run).get(f"step_{step:08d}"):
+            time.sleep(0.05)
+        after = logged() + 2
+        while time.monotonic() < deadline and logged() < after:
+            time.sleep(0.02)
+        when["at"] = time.monotonic()
+        fault()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return when
+
+
+def the_job_s_own_lines(output: str) -> list[str]:
+    """What the workers printed: the launcher's traceback (its summary of a failed worker, left to
+    the launcher) cut off."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback") and any(
+            LAUNCHER_FILE.search(below) for below in lines[i + 1 : i + 4]
+        ):
+            return lines[:i]
+    return lines
+
+
+def assert_one_line_and_no_traceback(result, *expected: str) -> str:
+    own = the_job_s_own_lines(result.output)
+    errors = [line for line in own if line.startswith("error:")]
+    assert result.returncode == 1, result.tail()
+    assert len(errors) == 1, result.output[-4000:]
+    assert not [line for line in own if "Traceback" in line or "Exception ignored" in line], (
+        result.output[-4000:]
+    )
+    for text in expected:
+        assert text in errors[0], errors[0]
+    return errors[0]
+
+
+def resume_and_compare(s3, run, args, staging, tmp_path, env, baseline, resumed_from: int):
+    resumed = launch_accelerate(
+        [*args, "--staging_dir", staging, "--resume", "latest"], tmp_path, env_extra=env
+    ).check()
+    assert f"resume: s3://{BUCKET}/{run}/checkpoints/step_{resumed_from:08d}" in resumed.output
+    downloaded = s3.download(run, ["model.safetensors", "metrics.jsonl"], tmp_path / "downloaded")
+    assert_matches_baseline(downloaded, baseline)
+
+
+def test_a_stalled_store_is_one_line_at_the_upload_deadline_and_the_run_resumes_bitwise(
+    s3, corpus, baseline, tmp_path, monkeypatch
+):
+    """The server accepts connections during step 16's upload and never answers: training runs
+    ahead to the next save (one checkpoint, no more), waits there for the upload's deadline
+    (--upload_timeout_s 8), says so in one line and exits 1. Before: a silent wait past 270 s."""
+    run = "stalled"
+    proxy, env = through_a_proxy(s3, tmp_path)
+    fault = on_the_first_upload_of(
+        f"{run}/checkpoints/step_00000016/", monkeypatch, lambda: proxy.set("stall")
+    )
+    args = [
+        *baseline_args(f"s3://{BUCKET}/{run}", corpus, store_lease_s=4),
+        "--upload_timeout_s",
+        "8",
+    ]
+    result = launch_accelerate([*args, "--staging_dir", tmp_path / "pod1"], tmp_path, env_extra=env)
+    after_the_fault = time.monotonic() - fault["at"]
+    assert_one_line_and_no_traceback(
+        result,
+        f"object storage s3://{BUCKET}/{run} failed: it did not answer within 8 s "
+        "(upload_timeout_s); the checkpoint of step 16 was not uploaded; the checkpoints "
+        "committed before it are intact: --resume latest once the store answers",
+    )
+    assert after_the_fault < 60, f"{after_the_fault:.0f} s from the stall to the exit"
+    assert "waiting for the checkpoint of step 16" in result.output  # never a silent wait
+    assert s3.steps(run)["step_00000008"] is True
+    assert s3.steps(run).get("step_00000016", False) is False  # never committed
+    monkeypatch.undo()
+    proxy.set("pass")
+    resume_and_compare(s3, run, args, tmp_path / "pod2", tmp_path, env, baseline, resumed_from=8)
+
+
+def test_a_store_gone_between_checkpoints_is_one_line_that_claims_no_committed_failure(
+    s3, corpus, baseline, tmp_path
+):
+    """The server goes away (connections refused) after step 8 was committed: the save of step 16
+    fails in one line naming it, never "committing step 8", no traceback at the exit; step 8
+    intact, and the resume bitwise."""
+    run = "gone"
+    proxy, env = through_a_proxy(s3, tmp_path)
+    args = baseline_args(f"s3://{BUCKET}/{run}", corpus, store_lease_s=4)
+    fault = once_committed(s3, run, 8, tmp_path / "pod1", lambda: proxy.set("refuse"))
+    result = launch_accelerate([*args, "--staging_dir", tmp_path / "pod1"], tmp_path, env_extra=env)
+    after_the_fault = time.monotonic() - fault["at"]
+    line = assert_one_line_and_no_traceback(
+        result,
+        f"object storage s3://{BUCKET}/{run} failed: it refused the connection",
+        "the checkpoint of step 16 was not",
+        "the checkpoints committed before it are intact",
+    )
+    assert "commit" not in line.split("failed:")[0] and "step 8" not in line, line
+    assert after_the_fault < 90, f"{after_the_fault:.0f} s from the fault to the exit"
+    assert s3.steps(run) == {"step_00000008": True}
+    proxy.set("pass")
+    resume_and_compare(s3, run, args, tmp_path / "pod2", tmp_path, env, baseline, resumed_from=8)
+
+
+def test_a_store_gone_during_the_final_upload_names_the_export_on_disk_and_the_command(
+    s3, corpus, baseline, tmp_path, monkeypatch
+):
+    """The server goes away while the run files and the export are uploaded at the end (after the
+    last commit): one line that names them, where they are, and the command that finishes the job;
+    that command (--resume latest) resumes the last checkpoint, exports and uploads, bitwise."""
+    run = "gone-at-the-end"
+    proxy, env = through_a_proxy(s3, tmp_path)
+    on_the_first_upload_of(f"{run}/model.safetensors", monkeypatch, lambda: proxy.set("refuse"))
+    args = baseline_args(f"s3://{BUCKET}/{run}", corpus, store_lease_s=4)
+    staging = tmp_path / "pod1"
+    result = launch_accelerate([*args, "--staging_dir", staging], tmp_path, env_extra=env)
+    assert_one_line_and_no_traceback(
+        result,
+        "model.safetensors",
+        f"were not uploaded; they are in {staging}",
+        f"--output_dir s3://{BUCKET}/{run} --resume latest",
+    )
+    assert (staging / "model.safetensors").is_file()
+    assert s3.steps(run) == {"step_00000016": True, "step_00000024": True}
+    monkeypatch.undo()
+    proxy.set("pass")
+    resume_and_compare(s3, run, args, staging, tmp_path, env, baseline, resumed_from=24)
+
+
+def test_a_second_job_on_a_bucket_run_in_use_is_refused_in_one_line_and_the_lease_is_let_go(
+    s3, corpus, tmp_path, monkeypatch
+):
+    """One owner per run on a bucket too: while a job runs (held mid-upload here), a second job on
+    the same URL, from another staging folder (another node), finds the lease renewed and is
+    refused in one line, exit 2. The first job lets the lease go when it ends."""
+    run = "owned"
+    url = f"s3://{BUCKET}/{run}"
+    arrived, release = hold_the_first_upload_of(f"{run}/checkpoints/step_00000008/", monkeypatch)
+    args = tiny_args(url, corpus, store_lease_s=3)
+    env = base_env(tmp_path, **s3.env)
+    with start(accelerate_cmd([*args, "--staging_dir", tmp_path / "first"]), env) as first:
+        assert arrived.wait(timeout=180), "the first job never saved"
+        lease = json.loads(s3.client.get_object(Bucket=BUCKET, Key=f"{run}/.lease")["Body"].read())
+        second = run_python(
+            [*args, "--staging_dir", tmp_path / "second"], tmp_path, env_extra=s3.env
+        )
+        release.set()
+        output, _ = first.communicate(timeout=240)
+    assert second.returncode == 2, second.tail()
+    errors = [line for line in second.output.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: output_dir '{url}' is in use by another job "
+        f"({lease['holder']}: it renews its lease); wait for it to end, or choose another output_dir"
+    ], second.output[-3000:]
+    assert first.returncode == 0, output[-3000:]
+    assert f"{run}/.lease" not in s3.keys(f"{run}/")
