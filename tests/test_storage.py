@@ -152,3 +152,49 @@ def test_the_staging_folder_is_named_after_the_url_unless_given():
     )
     local = TrainConfig(output_dir="/runs/a")
     assert local.run_dir == "/runs/a" and local.run_dir_is_shared
+
+
+@pytest.mark.skipif(importlib.util.find_spec("s3fs") is None, reason="pip install s3fs")
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        ("InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."),
+        ("ExpiredToken", "The provided token has expired."),
+        ("SignatureDoesNotMatch", "The request signature we calculated does not match."),
+        ("AccessDenied", "Access Denied"),
+    ],
+)
+def test_credentials_that_stop_working_are_named_as_such(code, message):
+    """What S3 answers when credentials stop working mid-run, as s3fs hands it on: one cause."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    answer = {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {}}
+    error = translate_boto_error(ClientError(answer, "PutObject"))
+    assert storage.store_problem(error) == (
+        "it refused these credentials (expired, rotated or revoked?)"
+    )
+
+
+def test_after_the_store_failed_nothing_more_is_tried_and_the_same_line_comes_at_once(
+    tmp_path, monkeypatch
+):
+    """A failure is remembered: the exit's uploads (the run files, the lease) try nothing more."""
+    monkeypatch.setattr(storage, "_failures", [])
+    bucket = storage.Bucket(f"file://{tmp_path}/bucket/run", upload_timeout_s=1)
+    calls = []
+
+    def stalls():
+        calls.append(1)
+        import time
+
+        time.sleep(5)
+
+    with pytest.raises(
+        storage.StoreError, match=r"did not answer within 1 s \(upload_timeout_s\); lost"
+    ):
+        bucket.bounded("lost", stalls)
+    assert storage.store_failed()
+    with pytest.raises(storage.StoreError, match="did not answer within 1 s"):
+        bucket.bounded("something else", stalls)
+    assert calls == [1]

@@ -433,3 +433,32 @@ def test_a_second_job_on_a_bucket_run_in_use_is_refused_in_one_line_and_the_leas
     ], second.output[-3000:]
     assert first.returncode == 0, output[-3000:]
     assert f"{run}/.lease" not in s3.keys(f"{run}/")
+
+
+def test_a_bucket_deleted_mid_run_is_one_line(s3, corpus, tmp_path):
+    """The bucket deleted between two checkpoints (everything in it, then the bucket): the next
+    save is one line saying so, exit 1, no traceback."""
+    run = "deleted"
+    args = baseline_args(f"s3://{BUCKET}/{run}", corpus, store_lease_s=4)
+
+    def delete_the_bucket():
+        for _ in range(20):  # again if an upload of the job's lands in between
+            for key in s3.keys(""):
+                s3.client.delete_object(Bucket=BUCKET, Key=key)
+            try:
+                return s3.client.delete_bucket(Bucket=BUCKET)
+            except s3.client.exceptions.ClientError:
+                time.sleep(0.05)
+
+    once_committed(s3, run, 8, tmp_path / "pod1", delete_the_bucket)
+    try:
+        result = launch_accelerate(
+            [*args, "--staging_dir", tmp_path / "pod1"], tmp_path, env_extra=s3.env
+        )
+    finally:
+        s3.client.create_bucket(Bucket=BUCKET)
+    assert_one_line_and_no_traceback(
+        result,
+        f"object storage s3://{BUCKET}/{run} failed: the bucket no longer exists (deleted?); "
+        "the checkpoint of step ",  # 16, or 24 when the deletion took a while
+    )
