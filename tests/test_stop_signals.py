@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -102,3 +103,73 @@ def test_a_loader_worker_killed_from_outside_is_one_line_and_exit_1(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: DataLoader worker (pid"), lines
     assert "out-of-memory killer" in lines[0] and "--resume latest" in lines[0]
+
+
+RAISED_AGAIN = {
+    # torch's SIGCHLD handler raising again where the issue saw it: a non-zero rank's exit_with_error,
+    # at its signal.signal(...) call
+    "at signal.signal": (
+        "1",
+        "real_signal = job.signal.signal\n"
+        "def signal_once(*args):\n"
+        "    if not raised:\n"
+        "        raised.append(1)\n"
+        "        raise again\n"
+        "    return real_signal(*args)\n"
+        "job.signal.signal = signal_once\n",
+    ),
+    # rank 0, while it prints its line
+    "at the line": (
+        "0",
+        "import builtins\n"
+        "real_print = builtins.print\n"
+        "def print_once(*args, **kwargs):\n"
+        "    if not raised:\n"
+        "        raised.append(1)\n"
+        "        raise again\n"
+        "    return real_print(*args, **kwargs)\n"
+        "builtins.print = print_once\n",
+    ),
+    # in the cleanup that runs while the first error goes up (the process group's close)
+    "at the cleanup": (
+        "0",
+        "def close_once():\n"
+        "    if not raised:\n"
+        "        raised.append(1)\n"
+        "        raise again\n"
+        "job.close_process_group = close_once\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", sorted(RAISED_AGAIN))
+def test_a_dead_loader_worker_raised_again_inside_the_error_path_is_still_one_line(tmp_path, where):
+    """The race itself: torch's SIGCHLD handler raises "DataLoader worker (pid N) is killed by signal"
+    a second time while the first is being reported (forced here at three places of the error
+    path). Still exactly one `error:` line, exit 1, no traceback."""
+    rank, injection = RAISED_AGAIN[where]
+    script = tmp_path / "raises_again.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'train')!r})\n"
+        "import job\n"
+        "job.OTHER_RANKS_ERROR_DELAY_S = 0.1\n"
+        "death = 'DataLoader worker (pid 4242) is killed by signal: Killed. '\n"
+        "again = RuntimeError(death)\n"
+        "raised = []\n"
+        "def arm():\n" + textwrap.indent(injection, "    ") + "def train(cfg, plumbing):\n"
+        "    arm()  # from here on, the error path is where the raise comes\n"
+        "    raise RuntimeError(death)\n"
+        "job.run_or_exit(train, None, lambda cfg: None)\n"
+    )
+    env = {**os.environ, "RANK": rank}
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert lines == [
+        "error: DataLoader worker (pid 4242) is killed by signal: Killed: a data loader worker "
+        "died, most often of the out-of-memory killer (fewer --num_workers, or less memory per "
+        "sample); the last checkpoint is intact: --resume latest"
+    ], result.stderr[-3000:]

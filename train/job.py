@@ -44,6 +44,8 @@ STOP_CAUSES = ("SIGTERM", "SIGUSR1", "SIGINT", LAUNCHER_LOST)
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the
 # rest.
 OTHER_RANKS_ERROR_DELAY_S = 5.0
+LOADER_DEATH = "DataLoader worker (pid"  # how torch's RuntimeError for a dead loader worker starts
+LOADER_RAISES_TOLERATED = 64  # a dead worker's error raised again this often on the way out: exit
 RUNS_ROOT = Path("runs")
 RUN_NAME = re.compile(r"run_(\d+)")
 _held_locks = []  # open until the process exits: closing the file would release the lock
@@ -348,9 +350,37 @@ def load_checked_config(argv, lease: bool = True) -> TrainConfig:
 
 def run_or_exit(train_fn, cfg, make_plumbing) -> None:
     """Run a training job and turn every way it ends into an exit code (module docstring) and at
-    most one line."""
+    most one line.
+
+    A dead DataLoader worker is reported by torch's SIGCHLD handler, which raises its RuntimeError
+    again for every loader child that exits after it (the others, shut down on the way out): at any
+    point of the error path, a line half said included. So the first one is kept, the handler is
+    put back to the default before anything is said, and a raise met on the way starts the report
+    again, once per raise: one line whatever the timing."""
     # before anything slow starts: a signal during start-up is a clean stop too
     stop_signals.install()
+    first_death = None
+    for _ in range(LOADER_RAISES_TOLERATED):
+        try:
+            if first_death is None:
+                run_and_report(train_fn, cfg, make_plumbing)
+            say_a_loader_worker_died(first_death)
+        except RuntimeError as again:
+            if not str(again).startswith(LOADER_DEATH):
+                raise
+            first_death = first_death or again
+    os._exit(1)  # a loader whose children keep dying: no more words
+
+
+def say_a_loader_worker_died(error: RuntimeError) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler, which raised, raises no more
+    stop_watching()
+    close_process_group()
+    exit_with_error(dead_loader_worker(error))
+
+
+def run_and_report(train_fn, cfg, make_plumbing) -> None:
+    """run_or_exit's one attempt: the training, and each way out as an exit code and a line."""
     plumbing = None
     try:
         plumbing = make_plumbing(cfg)
@@ -362,8 +392,8 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
     except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem
         exit_with_error(e)
     except RuntimeError as e:
-        if dead_loader_worker(e):
-            exit_with_error(dead_loader_worker(e))
+        if str(e).startswith(LOADER_DEATH):
+            raise  # said by run_or_exit, out of the way of the loader's handler
         if not lost_a_peer(e):
             raise  # a bug: its traceback is the useful output
         hang = explain_hang(e)  # which ranks did not arrive, and where each one was
@@ -408,7 +438,7 @@ def dead_loader_worker(error: RuntimeError) -> RunError | None:
     """A DataLoader worker killed from outside (the out-of-memory killer's SIGKILL, most often):
     torch's RuntimeError, as one line that says what to do."""
     message = first_line(error).rstrip(".")
-    if not message.startswith("DataLoader worker (pid"):
+    if not message.startswith(LOADER_DEATH):
         return None
     return RunError(
         f"{message}: a data loader worker died, most often of the out-of-memory killer (fewer "
