@@ -374,9 +374,7 @@ def run_or_exit(train_fn, cfg, make_plumbing) -> None:
 
 def say_a_loader_worker_died(error: RuntimeError) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler, which raised, raises no more
-    stop_watching()
-    close_process_group()
-    exit_with_error(dead_loader_worker(error))
+    exit_with_error(dead_loader_worker(error))  # (run_and_report's cleanup ran, or was cut short)
 
 
 def run_and_report(train_fn, cfg, make_plumbing) -> None:
