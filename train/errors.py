@@ -22,6 +22,17 @@ class RunError(RuntimeError):
     exit_code = 1
 
 
+def the_line(error: BaseException) -> str:
+    """What the job's one line says of an error. One raised in a DataLoader worker comes back as
+    "Caught ConfigError in DataLoader worker process 0.", the worker's traceback, then the error's
+    own line: that last line, without its type."""
+    text = str(error).strip()
+    if not (text.startswith("Caught ") and "Original Traceback" in text):
+        return text
+    last = text.splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
+
+
 def first_line(error: BaseException) -> str:
     """An exception's message cut to its first line, so that errors passed on stay one line."""
     lines = str(error).strip().splitlines()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
 from checks import check_dataset_name, check_devices, check_launch, check_model_and_tokenizer
 from config import TrainConfig, is_url, load_config
-from errors import CheckpointError, ConfigError, RunError, first_line
+from errors import CheckpointError, ConfigError, RunError, first_line, the_line
 from hangs import SILENT_WAIT_S, stop_watching
 from hangs import explain as explain_hang
 from harness import check_tasks
@@ -489,12 +489,11 @@ def exit_with_error(error: Exception, another_process_failed: bool = False) -> N
 def say_and_exit(error: Exception) -> None:
     """The job's one line, `error: ...`, and the error's exit code."""
     code = getattr(error, "exit_code", 1)
-    print(f"error: {error}", file=sys.stderr)  # noqa: T201 - the job's one line
+    line = f"error: {the_line(error)}"
+    print(line, file=sys.stderr)  # noqa: T201 - the job's one line
     # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root Cause":
     # our line
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        extra = {"py_callstack": f"error: {error}", "timestamp": str(int(time.time()))}
-        Path(path).write_text(
-            json.dumps({"message": {"message": f"error: {error}", "extraInfo": extra}})
-        )
+        extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": extra}}))
     sys.exit(code)

@@ -18,7 +18,10 @@ normalised. No random augmentation: a sample is a function of its index, so a re
 from __future__ import annotations
 
 import functools
+import io
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,10 +30,13 @@ from errors import ConfigError, first_line
 
 IMAGE_SIZE = 32  # pixels a side, after resizing
 MEAN, STD = 0.5, 0.25  # per channel, after scaling to [0, 1]
+SPLIT_FOLDERS = ("train", "validation", "test")  # photos/train/cat/...: the split folders
 
 
 def build_datasets(cfg):
     """(train, eval): map-style datasets of {"pixels": (3, IMAGE_SIZE, IMAGE_SIZE), "labels": class}."""
+    import datasets
+
     splits = load_images(cfg)
     train = splits[cfg.dataset_split]
     held_out = next((splits[s] for s in ("validation", "test") if s in splits), None)
@@ -39,6 +45,10 @@ def build_datasets(cfg):
         train, held_out = split["train"], split["test"]
     image, label = columns_of(train, cfg.dataset)
     as_tensors = functools.partial(to_tensors, image_column=image, label_column=label)
+    # decoded here (to_tensors), so that a file that cannot be read is named
+    train, held_out = (
+        part.cast_column(image, datasets.Image(decode=False)) for part in (train, held_out)
+    )
     return train.with_transform(as_tensors), held_out.with_transform(as_tensors)
 
 
@@ -60,11 +70,25 @@ def class_names(cfg) -> list[str]:
 def to_tensors(rows: dict, image_column: str, label_column: str) -> dict:
     """A batch of rows (datasets' transform) to float pixels, resized and normalised, and labels."""
     pixels = []
-    for image in rows[image_column]:
-        image = image.convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE))
+    for stored in rows[image_column]:
+        image = open_image(stored).convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE))
         array = np.asarray(image, dtype=np.float32) / 255.0
         pixels.append(torch.from_numpy((array - MEAN) / STD).permute(2, 0, 1))
     return {"pixels": pixels, "labels": list(rows[label_column])}
+
+
+def open_image(stored: dict):
+    """An image as datasets stores it ({"bytes", "path"}), decoded in full now: a truncated or
+    unreadable file is one line naming it (in a loader worker too), never a bare decoder error."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(stored["bytes"]) if stored["bytes"] else stored["path"])
+        image.load()  # a truncated file fails here, not in a later resize
+    except Exception as e:
+        name = stored.get("path") or "an image stored in the dataset"
+        raise ConfigError(f"image {name} cannot be read: {first_line(e)}") from None
+    return image
 
 
 @functools.cache
@@ -72,6 +96,8 @@ def load_images(cfg):
     """The splits of an image folder or a hub image dataset (cached: class_names asks again)."""
     import datasets
 
+    if os.path.isdir(cfg.dataset):
+        check_class_folders(cfg.dataset)
     try:
         if os.path.isdir(cfg.dataset):
             splits = datasets.load_dataset("imagefolder", data_dir=cfg.dataset)
@@ -86,6 +112,28 @@ def load_images(cfg):
             f"dataset_split '{cfg.dataset_split}' is not a split of '{cfg.dataset}' (splits: {', '.join(splits)})"
         )
     return splits
+
+
+def check_class_folders(folder: str) -> None:
+    """One subfolder per class, at least two (in each split folder, where there are some). A class
+    folder without images is said in a warning line, not refused: the run trains on the classes that
+    have images (a class only added later is another run's data: a resume refuses it)."""
+    root = Path(folder)
+    splits = [root / name for name in SPLIT_FOLDERS if (root / name).is_dir()]
+    for parent in splits or [root]:
+        classes = sorted(p for p in parent.iterdir() if p.is_dir() and not p.name.startswith("."))
+        holding = [c for c in classes if any(f.is_file() for f in c.rglob("*"))]
+        for empty in sorted(set(classes) - set(holding)):
+            if os.environ.get("RANK", "0") == "0":
+                print(  # noqa: T201 - the data's one warning, from the first process
+                    f"warning: class folder {empty} holds no image: it is not a class of this run",
+                    file=sys.stderr,
+                )
+        if len(holding) == 1:
+            raise ConfigError(
+                f"dataset '{folder}': {parent} has one class folder ({holding[0].name}); a "
+                "classifier needs two or more, one subfolder per class"
+            )
 
 
 def columns_of(dataset, name: str) -> tuple[str, str]:

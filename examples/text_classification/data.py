@@ -15,6 +15,7 @@ with an attention mask: throughput is samples/s (a padded batch's token count is
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 
@@ -85,6 +86,7 @@ def load_texts(cfg):
     """The splits, with the label column as class labels (cached: class_names asks again)."""
     import datasets
 
+    files = []
     try:
         if os.path.exists(cfg.dataset):
             path = Path(cfg.dataset)
@@ -113,8 +115,51 @@ def load_texts(cfg):
             raise ConfigError(
                 f"{key} '{column}' is not a column of '{cfg.dataset}' (columns: {', '.join(columns)})"
             )
+    check_labels(splits, cfg, files if os.path.exists(cfg.dataset) else [])
     if not isinstance(splits[cfg.dataset_split].features[LABEL_COLUMN], datasets.ClassLabel):
-        splits = splits.class_encode_column(
-            LABEL_COLUMN
-        )  # names or numbers: classes in sorted order
+        # names or numbers: classes in sorted order
+        splits = splits.class_encode_column(LABEL_COLUMN)
     return splits
+
+
+def check_labels(splits, cfg, files: list[Path]) -> None:
+    """Every row's label, at start-up rather than as a crash mid-training: an empty cell, a number
+    that is not an integer, or a value outside a dataset's named classes is one line naming the
+    file (or split), the row and the column."""
+    for name, split in splits.items():
+        feature = split.features[LABEL_COLUMN]
+        for row, value in enumerate(split.data.column(LABEL_COLUMN).to_pylist()):
+            problem = label_problem(value, feature)
+            if problem is not None:
+                where = row_in_files(row, files) if files else f"split '{name}', row {row + 1}"
+                raise ConfigError(f"dataset: {where}, column '{LABEL_COLUMN}': {problem}")
+
+
+def label_problem(value, feature) -> str | None:
+    import datasets
+
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "the label is empty; every row needs its class (a name or an integer)"
+    if isinstance(value, float) and not value.is_integer():
+        return f"the label {value!r} is not an integer (labels are class names or integers)"
+    if isinstance(feature, datasets.ClassLabel) and not 0 <= value < feature.num_classes:
+        names = ", ".join(feature.names)
+        return f"the label {value} is outside the classes 0..{feature.num_classes - 1} ({names})"
+    return None
+
+
+def row_in_files(row: int, files: list[Path]) -> str:
+    """Where the `row`-th row of files read one after another is: the file, and its line (CSV:
+    after the header; JSON lines: one a line) or its row."""
+    import datasets
+
+    for file in files:
+        rows = len(datasets.load_dataset(BUILDERS[file.suffix], data_files=str(file))["train"])
+        if row < rows:
+            if file.suffix == ".csv":
+                return f"{file}, line {row + 2} (row {row + 1} after the header)"
+            if file.suffix == ".jsonl":
+                return f"{file}, line {row + 1}"
+            return f"{file}, row {row + 1}"
+        row -= rows
+    return f"row {row + 1}"

@@ -1,0 +1,133 @@
+"""The examples' bad data, read through their own data.py as a fork runs it: one line naming where,
+at start-up, never a crash mid-training. A label cell that is empty or not an integer names the
+file, the line and the column; a label outside a dataset's classes likewise; an image folder with one
+class says so, an empty class folder is one warning line; a truncated image names its file (also
+when a DataLoader worker meets it)."""
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from errors import ConfigError, the_line
+
+
+def example_data(name: str):
+    """The example's data.py as a module of its own (train/data.py keeps the name `data`)."""
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_data", REPO / "examples" / name / "data.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Cfg:
+    dataset: str
+    dataset_config: str = ""
+    dataset_split: str = "train"
+    text_column: str = "text"
+    eval_fraction: float = 0.34
+
+
+def write_csv(path: Path, labels: list[str]) -> Path:
+    rows = ["text,label", *(f"review number {i},{label}" for i, label in enumerate(labels))]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "labels, problem",
+    [
+        (["0", "1", "", "1"], "the label is empty; every row needs its class"),
+        (["pos", "neg", "", "pos"], "the label is empty; every row needs its class"),
+        (["0", "1", "1.5", "0"], "the label 1.5 is not an integer"),
+    ],
+)
+def test_a_bad_label_cell_is_one_line_naming_the_file_the_line_and_the_column(
+    tmp_path, labels, problem
+):
+    text = example_data("text_classification")
+    reviews = write_csv(tmp_path / "reviews.csv", labels)
+    with pytest.raises(ConfigError) as refused:
+        text.load_texts(Cfg(str(reviews)))
+    assert str(refused.value).startswith(
+        f"dataset: {reviews}, line 4 (row 3 after the header), column 'label': {problem}"
+    )
+
+
+def test_a_bad_label_in_the_second_file_of_a_folder_names_that_file(tmp_path):
+    text = example_data("text_classification")
+    write_csv(tmp_path / "a.csv", ["0", "1", "0"])
+    second = write_csv(tmp_path / "b.csv", ["1", ""])
+    with pytest.raises(
+        ConfigError, match=rf"^dataset: {second}, line 3 \(row 2 after the header\)"
+    ):
+        text.load_texts(Cfg(str(tmp_path)))
+
+
+def test_a_label_outside_a_dataset_s_named_classes_is_named():
+    import datasets
+
+    text = example_data("text_classification")
+    classes = datasets.ClassLabel(names=["neg", "pos"])
+    assert text.label_problem(1, classes) is None
+    for outside in (2, -1):
+        assert text.label_problem(outside, classes) == (
+            f"the label {outside} is outside the classes 0..1 (neg, pos)"
+        )
+
+
+def write_image(path: Path, color: int) -> Path:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), (color, 0, 0)).save(path)
+    return path
+
+
+def test_an_image_folder_with_one_class_says_so(tmp_path):
+    images = example_data("image_classification")
+    for i in range(4):
+        write_image(tmp_path / "photos" / "cat" / f"{i}.png", i)
+    with pytest.raises(ConfigError) as refused:
+        images.load_images(Cfg(str(tmp_path / "photos")))
+    assert str(refused.value) == (
+        f"dataset '{tmp_path / 'photos'}': {tmp_path / 'photos'} has one class folder (cat); a "
+        "classifier needs two or more, one subfolder per class"
+    )
+
+
+def test_an_empty_class_folder_is_one_warning_line(tmp_path, capsys):
+    images = example_data("image_classification")
+    for name in ("cat", "dog"):
+        for i in range(3):
+            write_image(tmp_path / "photos" / name / f"{i}.png", i)
+    (tmp_path / "photos" / "bird").mkdir()
+    splits = images.load_images(Cfg(str(tmp_path / "photos")))
+    assert splits["train"].features["label"].names == ["cat", "dog"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert said == [
+        f"warning: class folder {tmp_path / 'photos' / 'bird'} holds no image: it is not a class "
+        "of this run"
+    ]
+
+
+def test_a_truncated_image_names_its_file_also_from_a_loader_worker(tmp_path):
+    images = example_data("image_classification")
+    for name in ("cat", "dog"):
+        for i in range(3):
+            write_image(tmp_path / "photos" / name / f"{i}.jpg", 40 * i)
+    broken = tmp_path / "photos" / "dog" / "1.jpg"
+    broken.write_bytes(broken.read_bytes()[:200])  # cut short, as a failed copy leaves it
+    train, _ = images.build_datasets(Cfg(str(tmp_path / "photos")))
+    loader = torch.utils.data.DataLoader(
+        train, batch_size=6, collate_fn=images.collate, num_workers=1
+    )
+    with pytest.raises(Exception) as refused:
+        next(iter(loader))
+    assert the_line(refused.value).startswith(f"image {broken} cannot be read: ")
