@@ -17,9 +17,14 @@
 # - give the stop its time. On SIGTERM torchrun passes it to the workers, then SIGKILLs them after
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by default): less than a stop can take (up to log_every steps, then
 #   the checkpoint). Keep it under the engine's grace period (scripts/kubernetes/jobset.yaml: 300 s).
+# - say what it waits for. torchrun waits silently for every node to join (up to 600 s by default); here it
+#   gives up after RDZV_TIMEOUT_S (600 s by default; say more where nodes start slowly), and until the last
+#   node joins scripts/rendezvous.py says every 30 s how many have, of how many. A rendezvous that times out
+#   ends with one `error:` line naming them, exit 1.
 set -u
 : "${OUTPUT_DIR:?set OUTPUT_DIR to the run folder, the same at every restart of the job}"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-270}
+export RDZV_TIMEOUT_S=${RDZV_TIMEOUT_S:-600}
 cd "$(dirname "$0")/.."  # the repository root
 
 # OUTPUT_DIR may be object storage (s3://bucket/run, train/storage.py): each node then writes the run in
@@ -33,7 +38,11 @@ case "$OUTPUT_DIR" in
     ;;
 esac
 
-torchrun train/main.py --output_dir "$OUTPUT_DIR" ${staging[@]+"${staging[@]}"} --resume latest "$@" &
+rendezvous=$(mktemp)
+python scripts/rendezvous.py "$rendezvous" &
+watcher=$!
+torchrun --rdzv-conf "timeout=$RDZV_TIMEOUT_S" train/main.py --output_dir "$OUTPUT_DIR" \
+    ${staging[@]+"${staging[@]}"} --resume latest "$@" &
 launcher=$!
 trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT
 # a trapped signal ends `wait` early: wait again until torchrun itself has exited
@@ -42,7 +51,16 @@ while true; do
     code=$?
     kill -0 "$launcher" 2>/dev/null || break
 done
+kill "$watcher" 2>/dev/null
+read -r joined nodes address <"$rendezvous" 2>/dev/null || joined=""
+rm -f "$rendezvous"
 if [ -f "$run_dir/preempted.json" ]; then
     exit 75
+fi
+if [ "$code" -ne 0 ] && [ -n "$joined" ] && [ "$joined" != "$nodes" ]; then
+    echo "error: the job's nodes never all joined: $joined of $nodes reached $address within" \
+        "RDZV_TIMEOUT_S=$RDZV_TIMEOUT_S s; start the missing ones (or check PET_MASTER_ADDR and" \
+        "PET_MASTER_PORT), then restart the job" >&2
+    exit 1
 fi
 exit "$code"

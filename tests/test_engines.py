@@ -100,6 +100,7 @@ FAKE_TORCHRUN = """#!/bin/bash
 # a torchrun that records its arguments and stands in for a training: on SIGTERM it "saves" (writes
 # preempted.json, as the run does) and exits 1, as torchrun does whatever its workers' codes
 echo "$@" > "$FAKE_LOG"
+echo "$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" > "$FAKE_LOG.shutdown_timeout"
 trap 'sleep 0.3; echo "{}" > "${MARKER_DIR:-$OUTPUT_DIR}/preempted.json"; exit 1' TERM
 touch "$FAKE_LOG.started"
 while true; do sleep 0.05; done
@@ -145,6 +146,8 @@ def test_the_job_script_passes_sigterm_on_and_a_stop_exits_75(fake_torchrun):
     assert job.wait(timeout=10) == STOP_CODE, job.stdout.read()
     args = (tmp_path / "torchrun.log").read_text().split()
     assert args == [
+        "--rdzv-conf",
+        "timeout=600",  # RDZV_TIMEOUT_S's default: torchrun's rendezvous gives up then
         "train/main.py",
         "--output_dir",
         env["OUTPUT_DIR"],
@@ -153,6 +156,8 @@ def test_the_job_script_passes_sigterm_on_and_a_stop_exits_75(fake_torchrun):
         "--config",
         "train/configs/tiny.yaml",
     ]
+    # the stop's time reaches torchrun itself, in its environment (it SIGKILLs the workers after it)
+    assert (tmp_path / "torchrun.log.shutdown_timeout").read_text().strip() == "270"
 
 
 def test_the_job_script_keeps_torchrun_s_code_when_the_run_did_not_stop_on_a_signal(fake_torchrun):
@@ -186,7 +191,7 @@ def test_on_object_storage_the_job_script_stages_on_the_node_and_finds_the_stop_
     job.send_signal(signal.SIGTERM)
     assert job.wait(timeout=10) == STOP_CODE, job.stdout.read()
     args = (tmp_path / "torchrun.log").read_text().split()
-    assert args[:5] == [
+    assert args[2:7] == [
         "train/main.py",
         "--output_dir",
         "s3://bucket/run",

@@ -161,3 +161,35 @@ def test_skypilot_nodes_run_the_task_s_own_script_and_train_as_one_job(tmp_path,
     finish(start_pods(kubernetes, corpus))
     same_run(run_dir, kubernetes / "runs" / JOB)
     assert os.path.exists(run_dir / "checkpoints" / f"step_{STEPS['max_steps']:08d}")
+
+
+@pytest.mark.parametrize("present", [0, 1])
+def test_a_node_that_never_joins_is_said_while_waiting_and_in_one_line_at_the_timeout(
+    tmp_path, corpus, present
+):
+    """Pod `present` starts, its peer never does: while torchrun waits, the job script says how many
+    nodes joined, of how many (the main node's own pod, or none where the main node is the missing
+    one); at RDZV_TIMEOUT_S one `error:` line, exit 1. Before: nothing for torch's whole wait."""
+    port = free_port()
+    env = {**pod_env(tmp_path, present, port), "RDZV_TIMEOUT_S": "9"}
+    command = [str(REPO / "scripts" / "torchrun_job.sh"), *run_args(corpus, tmp_path)]
+    started = time.monotonic()
+    done = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    took = time.monotonic() - started
+    lines = done.stderr.splitlines() + done.stdout.splitlines()
+    joined = 1 - present  # node 0's own watcher reaches its store; node 1's reaches nothing
+    waiting = [line for line in lines if line.startswith("waiting for the job's nodes")]
+    assert waiting and all(
+        f": {joined} of 2 joined at 127.0.0.1:{port} (this is node {present};" in line
+        for line in waiting
+    ), done.stderr[-3000:]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert errors == [
+        f"error: the job's nodes never all joined: {joined} of 2 reached 127.0.0.1:{port} within "
+        "RDZV_TIMEOUT_S=9 s; start the missing ones (or check PET_MASTER_ADDR and PET_MASTER_PORT), "
+        "then restart the job"
+    ], done.stderr[-3000:]
+    assert done.returncode == 1
+    assert took < 60, f"{took:.0f} s"

@@ -1,0 +1,68 @@
+"""What scripts/torchrun_job.sh tells while torchrun waits for the job's nodes: one line every 30 s (or
+a third of the timeout) saying how many nodes have joined, out of how many, and at which address, until
+all have; the count is kept in STATE_FILE for the script's last line if they never do.
+
+    python scripts/rendezvous.py STATE_FILE       (the job's shape from PET_NNODES, PET_NODE_RANK,
+                                                   PET_MASTER_ADDR, PET_MASTER_PORT; RDZV_TIMEOUT_S)
+
+Each node's watcher leaves a key of its own in the store torchrun's rendezvous runs on node 0 (keys of
+its own, outside torchrun's), and counts the keys it finds there: the nodes whose job script runs and
+reaches the main node. A node that cannot reach the main node's address counts none.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+KEY = "torchrun_job/joined/"  # + a node's rank
+
+
+def main(state_file: str) -> int:
+    from torch.distributed import TCPStore
+
+    nodes = int(os.environ.get("PET_NNODES", "1"))
+    rank = int(os.environ.get("PET_NODE_RANK", "0"))
+    address = f"{os.environ.get('PET_MASTER_ADDR', '127.0.0.1')}:{os.environ.get('PET_MASTER_PORT', '29500')}"
+    timeout = float(os.environ.get("RDZV_TIMEOUT_S", "600"))
+    every = min(30.0, timeout / 3)
+    started = time.monotonic()
+    store = None
+    while nodes > 1:
+        joined = 0
+        try:
+            if store is None:
+                host, port = address.rsplit(":", 1)
+                store = TCPStore(
+                    host,
+                    int(port),
+                    None,
+                    False,
+                    datetime.timedelta(seconds=5),
+                    wait_for_workers=False,
+                )
+                store.set(f"{KEY}{rank}", "1")
+            joined = sum(store.check([f"{KEY}{i}"]) for i in range(nodes))
+        except Exception:  # the main node's store is not up (yet), or went away
+            store = None
+        with open(state_file, "w") as state:
+            state.write(f"{joined} {nodes} {address}\n")
+        if joined == nodes:
+            break
+        waited = time.monotonic() - started
+        print(
+            f"waiting for the job's nodes: {joined} of {nodes} joined at {address} (this is node "
+            f"{rank}; {waited:.0f} s so far, torchrun gives up after RDZV_TIMEOUT_S={timeout:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(every)
+    with open(state_file, "w") as state:
+        state.write(f"{nodes} {nodes} {address}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
