@@ -28,6 +28,16 @@ def load_trained(folder: Path):
 
 
 @torch.no_grad()
+def predicts_next_tokens(model) -> bool:
+    """Whether the model is a causal LM: token ids in, logits (batch, position, vocabulary) out."""
+    try:
+        logits = model(input_ids=torch.tensor([[0, 1]])).logits
+    except (TypeError, ValueError, RuntimeError, AttributeError, KeyError):
+        return False
+    return logits.dim() == 3 and logits.shape[:2] == (1, 2)
+
+
+@torch.no_grad()
 def generate(
     model,
     tokenizer,
@@ -83,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
         cfg, model, tokenizer = load_trained(args.folder)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    if not predicts_next_tokens(model):
+        sys.exit(
+            f"error: sample.py samples causal language models, and the model of {args.folder} is "
+            f"not one ({type(model).__name__}: no logits per position over a vocabulary, as a "
+            "classifier's are); evaluate it with its task's metrics instead"
+        )
     print(
         args.prompt
         + generate(

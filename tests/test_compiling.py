@@ -113,7 +113,11 @@ def test_a_damaged_cache_is_set_aside_with_one_warning_and_compiles_cold(
 ):
     folder = written_cache(tmp_path)
     damage(folder)
-    (tmp_path / "compile_cache.damaged").mkdir()  # an older one is replaced
+    # an older set-aside folder, still holding files (a rename onto an empty folder would pass without
+    # removing it), is replaced
+    older = tmp_path / "compile_cache.damaged" / "ab" / "older.so"
+    older.parent.mkdir(parents=True)
+    older.write_bytes(b"from an earlier damage")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     kept = keep_compiled_code(str(tmp_path), writer=True, writer_goes_first=nullcontext)
     lines = capsys.readouterr().err.splitlines()
@@ -122,6 +126,7 @@ def test_a_damaged_cache_is_set_aside_with_one_warning_and_compiles_cold(
     assert lines[0].endswith("set aside as compile_cache.damaged, compiling cold")
     assert not folder.exists()  # inductor starts an empty folder: every graph compiles
     assert (tmp_path / "compile_cache.damaged" / LIBRARY).exists()
+    assert not older.exists()
     assert kept.listed == {}
 
 

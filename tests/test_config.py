@@ -94,6 +94,12 @@ def test_a_staging_dir_must_be_a_local_folder():
         (["--muon_lr", "0"], "muon_lr must be > 0 (got 0.0)"),
         (["--muon_momentum", "1"], "muon_momentum must be in [0, 1) (got 1.0)"),
         (["--optimizer", "muon", "--fsdp", "full"], "optimizer muon cannot run under FSDP"),
+        (["--require_resume", "true"], "require_resume needs --resume latest (got resume '')"),
+        (
+            ["--resume", "latest", "--require_resume", "true", "--output_dir", "runs/no-such-run"],
+            "output_dir 'runs/no-such-run' does not exist, and require_resume refuses to start a "
+            "new run there (mistyped?)",
+        ),
     ],
 )
 def test_bad_values_name_the_key(argv, message):
@@ -286,3 +292,24 @@ def test_a_pod_of_a_two_node_job_started_alone_stops_in_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: a multi-node environment (PET_NNODES=2)")
     assert "torchrun train/main.py" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_require_resume_refuses_a_run_folder_without_a_checkpoint_and_the_default_says_so(tmp_path):
+    """--resume latest on a folder with no checkpoint (a mistyped --output_dir, a requeue that lost
+    its folder) starts fresh, and says so in its line; with --require_resume it is refused, exit 2."""
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    args = ["--config", str(REPO / "train/configs/debug.yaml"), "--output_dir", empty]
+    refused = run_python([*args, "--resume", "latest", "--require_resume", "true"], tmp_path)
+    errors = [line for line in refused.output.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2, refused.tail()
+    assert errors == [
+        f"error: resume: no intact checkpoint in {empty} to resume, and require_resume refuses "
+        "to start fresh"
+    ]
+    started = run_python([*args, "--resume", "latest", "--max_steps", "2"], tmp_path).check()
+    assert (
+        f"resume: no intact checkpoint in {empty} yet, starting fresh (is the folder right? "
+        "--require_resume true refuses instead)" in started.output
+    )

@@ -51,6 +51,9 @@ class TrainConfig:
     seed: int = 1337
     # "" = start fresh, "latest" = newest complete checkpoint in output_dir (or fresh), or a folder
     resume: str = ""
+    # with --resume latest: refuse (exit 2) when the run holds no checkpoint, instead of starting
+    # fresh (a requeue that must continue; a mistyped --output_dir)
+    require_resume: bool = False
     # start a NEW run (step 0, new optimizer) from these weights: a checkpoint, run folder or file
     init_from: str = ""
     # ---- tracking

@@ -34,6 +34,14 @@ def check_sources(cfg) -> None:
     """--resume and --init_from name something that exists (before any process group)."""
     if cfg.resume not in ("", "latest") and not os.path.isdir(cfg.resume):
         raise ConfigError(f"resume must be '', 'latest' or an existing folder (got {cfg.resume!r})")
+    if cfg.require_resume and cfg.resume != "latest":
+        raise ConfigError(f"require_resume needs --resume latest (got resume {cfg.resume!r})")
+    local = cfg.output_dir and not is_url(cfg.output_dir)
+    if cfg.require_resume and local and not os.path.isdir(cfg.output_dir):
+        raise ConfigError(
+            f"output_dir '{cfg.output_dir}' does not exist, and require_resume refuses to start a "
+            "new run there (mistyped?)"
+        )
     if cfg.init_from and not os.path.exists(cfg.init_from):
         raise ConfigError(
             f"init_from is not an existing checkpoint, run folder or .safetensors file (got {cfg.init_from!r})"
@@ -95,8 +103,22 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
             folder = Bucket(cfg.output_dir, cfg.upload_timeout_s).step_url(step)
         log.info(f"resume: {folder} (step {step}){note}")
         return
+    start_fresh(plumbing, cfg, parts, log)
+
+
+def start_fresh(plumbing, cfg, parts: dict, log) -> None:
+    """No checkpoint to resume: step 0, from --init_from's weights if given (or refused, with
+    --require_resume)."""
+    if cfg.resume and cfg.require_resume:
+        raise CheckpointError(
+            f"resume: no intact checkpoint in {cfg.output_dir} to resume, and require_resume "
+            "refuses to start fresh"
+        )
     if cfg.resume:
-        log.info(f"resume: no intact checkpoint in {cfg.output_dir} yet, starting fresh")
+        log.info(
+            f"resume: no intact checkpoint in {cfg.output_dir} yet, starting fresh (is the folder "
+            "right? --require_resume true refuses instead)"
+        )
     if cfg.init_from:
         module = as_part(parts["model"]).module  # Weights or Sharded
         source = collectively(

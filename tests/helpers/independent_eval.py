@@ -3,8 +3,10 @@ sample at a time (no batching, padding, sharding or gathering), with plain torch
 
     python independent_eval.py FORK_FOLDER RUN_FOLDER    prints {"accuracy": ..., ...} as JSON
 
-Image and text classifiers: the mean loss, accuracy, and per class (image: accuracy/<class>; text: f1/<class>, f1 of the
-second class). Language models: the mean next-token loss over every predicted token of the eval blocks.
+Image and text classifiers: the mean loss, accuracy, and per class accuracy/<class> and f1/<class>, the mean of the
+F1s (f1_macro) and, for two classes, f1 (the second, positive class's): every metric either example reports, so
+that a test compares each reported key. Language models: the mean next-token loss over every predicted token of
+the eval blocks.
 """
 
 import json
@@ -56,4 +58,8 @@ for index, name in enumerate(task.CLASSES):
     tp = sum(p == index and y == index for p, y in pairs)
     wrong = sum((p == index) != (y == index) for p, y in pairs)
     metrics[f"f1/{name}"] = 2 * tp / (2 * tp + wrong) if tp + wrong else 0.0
+f1s = [metrics[f"f1/{name}"] for name in task.CLASSES]
+metrics["f1_macro"] = sum(f1s) / len(f1s)
+if len(f1s) == 2:
+    metrics["f1"] = f1s[1]
 print(json.dumps(metrics))
