@@ -1,0 +1,77 @@
+"""`accelerate launch`, as the template's own processes end: the same arguments, the workers' output as
+it comes, and the job's exit code and one line, which the launcher otherwise buries.
+
+    python scripts/launch.py --config_file accelerate_configs/cpu.yaml train/main.py [flags]
+
+Under `accelerate launch` (and torchrun) the training processes stop as the README says (75 after a
+preemption's checkpoint, 130 after Ctrl-C's, 2 on a refused input, each failure in one `error:` line), but
+the launcher reports every such end as its own failure: exit 1, with a ~40-line ChildFailedError summary
+(or, on Ctrl-C and SIGTERM, a SignalException traceback) after the line that matters. This runs the
+launcher as a child, passes SIGTERM and SIGUSR1 on to it (Ctrl-C reaches every process of the terminal's
+group by itself), prints every line but the launcher's own traceback, summary and log lines, and exits
+with the code the job meant: the failed worker's exit code from the summary, else the stop the workers
+reported, else the launcher's.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+LAUNCHER_FRAME = re.compile(r"accelerate/commands/launch\.py|torch/distributed/(run|launcher)")
+LAUNCHER_LOG = re.compile(r"^[WEI]\d{4} [\d:.]+ \d+ .*torch/distributed/")
+EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+STOPPED = re.compile(r"^(stopping at step \d+|stopped during start-up) on (SIGTERM|SIGUSR1|SIGINT)")
+STOP_CODES = {"SIGTERM": 75, "SIGUSR1": 75, "SIGINT": 130}
+
+
+def main(argv: list[str]) -> int:
+    command = [sys.executable, "-m", "accelerate.commands.launch", *argv]
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+    def pass_on(signum, _frame):
+        launcher.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, pass_on)
+    signal.signal(signal.SIGUSR1, pass_on)
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # the launcher and the workers get Ctrl-C themselves
+    stopped_code = None
+    failed_code = None
+    root_cause = False
+    held: list[str] = []  # a traceback's first lines, until its frames say whose it is
+    launchers = False  # inside the launcher's traceback and summary: to the end
+    for line in launcher.stdout:
+        if (match := STOPPED.match(line)) is not None:
+            stopped_code = STOP_CODES[match.group(2)]
+        root_cause = root_cause or line.startswith("Root Cause")  # the summary's first failure
+        if root_cause and (match := EXIT_CODE.match(line)) is not None and failed_code is None:
+            failed_code = int(match.group(1))
+        if launchers or LAUNCHER_LOG.match(line):
+            continue
+        if line.startswith("Traceback (most recent call last)") or held:
+            held.append(line)
+            if LAUNCHER_FRAME.search(line):
+                launchers = True
+            elif len(held) > 4:
+                sys.stdout.writelines(held)
+                held = []
+            continue
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    code = launcher.wait()
+    sys.stdout.writelines([] if launchers else held)
+    if code == 0:
+        return 0
+    if failed_code is not None and failed_code > 1:  # 2, 75, 130: the worker's own code
+        return failed_code
+    return stopped_code or code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
