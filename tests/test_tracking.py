@@ -201,3 +201,27 @@ def test_a_new_run_s_tracker_id_is_the_jobs_when_it_sets_wandb_run_id(monkeypatc
     monkeypatch.delenv("WANDB_RUN_ID")
     first, second = new_run_id(), new_run_id()
     assert len(first) == 8 and first != second
+
+
+def test_a_wandb_resume_through_the_offline_fallback_keeps_the_rewind(tmp_path):
+    """A resumed run whose W&B server refuses (no key, no network): the fallbacks are a resume without
+    the rewind, then offline, and offline keeps the rewind to the checkpoint's step (`wandb sync`
+    applies it): the steps after the checkpoint are not logged twice."""
+    attempts = []
+
+    class Refusing:  # the Accelerator's tracker calls: online refused, offline taken
+        is_main_process = is_local_main_process = True
+        trackers = []
+
+        def init_trackers(self, project, config, init_kwargs):
+            attempts.append(init_kwargs["wandb"])
+            if init_kwargs["wandb"].get("mode") != "offline":
+                raise RuntimeError("no W&B server")
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
+    log = MetricsLogger(cfg, Refusing())
+    log.start_trackers("run123", 40)
+    assert [attempt.get("mode") for attempt in attempts] == [None, None, "offline"]
+    assert attempts[0]["resume_from"] == "run123?_step=40"
+    assert attempts[1]["id"] == "run123" and "resume_from" not in attempts[1]
+    assert attempts[2]["resume_from"] == "run123?_step=40" and "id" not in attempts[2]

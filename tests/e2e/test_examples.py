@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import (
     REPO,
@@ -330,6 +331,16 @@ def test_batchnorm_without_broadcast_buffers_resumes_each_rank_s_statistics(tmp_
     reported = [row for row in read_metrics(baseline_dir) if "eval_loss" in row][-1]
     assert reported["eval_loss"] == pytest.approx(independent["loss"], rel=1e-5)
     assert reported["eval_accuracy"] == pytest.approx(independent["accuracy"], abs=1e-12)
+    # the export's statistics are the mean of the ranks' own, as the last checkpoint holds them per
+    # rank: an independent number, not the evaluation's (which uses the same statistics)
+    last = sorted((baseline_dir / "checkpoints").glob("step_*"))[-1]
+    ranks = [load_weights_pt(last / f"buffers_rank{r}.pt") for r in (0, 1)]
+    exported = load_weights(baseline_dir / "model.safetensors")
+    statistics = [n for n in ranks[0] if n.endswith(("running_mean", "running_var"))]
+    assert statistics and any(not ranks[0][n].equal(ranks[1][n]) for n in statistics)
+    for name in statistics:
+        mean = (ranks[0][name].double() + ranks[1][name].double()) / 2
+        assert torch.allclose(exported[name].double(), mean, rtol=1e-6, atol=1e-7), name
 
 
 def load_weights_pt(path: Path) -> dict:
