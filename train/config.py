@@ -4,7 +4,7 @@
 
 Precedence: dataclass defaults < --config YAML < --key value flags. Every value's type and range is
 checked in `validate()`; what needs a file or the hub (a dataset, model or tokenizer name, a
-checkpoint to resume) is checked next by job.check_inputs, still before any process group, port or
+checkpoint to resume) is checked next by job.load_checked_config, still before any process group, port or
 output folder exists. A bad value is a ConfigError: one line naming the key (`error: ...`, exit code
 2). `--help` lists every key with the comment written next to it below. This module reads nothing
 but the YAML file it is given."""
