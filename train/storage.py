@@ -143,9 +143,7 @@ class Bucket:
 
     def reachability_problem(self) -> str | None:
         def look():
-            if self.fs.protocol[0] in ("s3", "s3a", "gs", "gcs") and not self.fs.exists(
-                self.root.split("/")[0]
-            ):
+            if not self.bucket_exists():
                 return "names a bucket that does not exist (or that these credentials cannot see)"
             self.fs.exists(self.root)
             return None
@@ -154,6 +152,13 @@ class Bucket:
             return self.bounded("the start-up check", look)
         except StoreError as e:
             return f"cannot be reached: {e.cause}"
+
+    def bucket_exists(self) -> bool:
+        """Whether the bucket is there (stores without buckets: always)."""
+        if self.fs.protocol[0] not in ("s3", "s3a", "gs", "gcs"):
+            return True
+        self.fs.invalidate_cache()
+        return self.fs.exists(self.root.split("/")[0])
 
     def deadline_s(self, nbytes: int = 0) -> float:
         """How long an exchange moving `nbytes` may take (module docstring)."""
@@ -186,6 +191,10 @@ class Bucket:
             cause = store_problem(outcome["error"])
         else:
             return outcome["value"]
+        self.fail(cause, lost)
+
+    def fail(self, cause: str, lost: str) -> None:
+        """The one line: the store's failure, then what was not done; remembered (bounded)."""
         line = f"object storage {self.url} failed: {cause}; {lost}"
         _failures.append(line)
         raise StoreError(line, cause=cause)
@@ -241,6 +250,8 @@ class Bucket:
 
         lost = f"the checkpoint of step {step} was not committed{INTACT}"
         found = self.bounded(lost, read_listings)
+        if len(found) < len(listings) and not self.bounded(lost, self.bucket_exists):
+            self.fail("the bucket no longer exists (deleted?)", lost)
         files = {}
         for listing in listings:
             if listing not in found:

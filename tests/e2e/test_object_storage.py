@@ -436,29 +436,51 @@ def test_a_second_job_on_a_bucket_run_in_use_is_refused_in_one_line_and_the_leas
 
 
 def test_a_bucket_deleted_mid_run_is_one_line(s3, corpus, tmp_path):
-    """The bucket deleted between two checkpoints (everything in it, then the bucket): the next
-    save is one line saying so, exit 1, no traceback."""
-    run = "deleted"
-    args = baseline_args(f"s3://{BUCKET}/{run}", corpus, store_lease_s=4)
+    """A bucket of its own deleted between two checkpoints (everything in it, then the bucket): the
+    next save is one line saying so, exit 1, no traceback."""
+    bucket, run = "doomed", "deleted"
+    s3.client.create_bucket(Bucket=bucket)
+    args = baseline_args(f"s3://{bucket}/{run}", corpus, store_lease_s=4)
+
+    def everything() -> list[str]:
+        pages = s3.client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
     def delete_the_bucket():
-        for _ in range(20):  # again if an upload of the job's lands in between
-            for key in s3.keys(""):
-                s3.client.delete_object(Bucket=BUCKET, Key=key)
+        for _ in range(
+            50
+        ):  # again if an upload of the job's (its lease's renewal) lands in between
+            for key in everything():
+                s3.client.delete_object(Bucket=bucket, Key=key)
             try:
-                return s3.client.delete_bucket(Bucket=BUCKET)
+                return s3.client.delete_bucket(Bucket=bucket)
             except s3.client.exceptions.ClientError:
-                time.sleep(0.05)
+                time.sleep(0.02)
+        raise AssertionError("the bucket could not be deleted")
 
-    once_committed(s3, run, 8, tmp_path / "pod1", delete_the_bucket)
-    try:
-        result = launch_accelerate(
-            [*args, "--staging_dir", tmp_path / "pod1"], tmp_path, env_extra=s3.env
-        )
-    finally:
-        s3.client.create_bucket(Bucket=BUCKET)
+    watched = S3Bucket(s3, bucket)
+    once_committed(watched, run, 8, tmp_path / "pod1", delete_the_bucket)
+    result = launch_accelerate(
+        [*args, "--staging_dir", tmp_path / "pod1"], tmp_path, env_extra=s3.env
+    )
     assert_one_line_and_no_traceback(
         result,
-        f"object storage s3://{BUCKET}/{run} failed: the bucket no longer exists (deleted?); "
+        f"object storage s3://{bucket}/{run} failed: the bucket no longer exists (deleted?); "
         "the checkpoint of step ",  # 16, or 24 when the deletion took a while
     )
+
+
+class S3Bucket:
+    """steps() of another bucket than the module's, for once_committed."""
+
+    def __init__(self, s3, bucket: str):
+        self.s3 = s3
+        self.bucket = bucket
+
+    def steps(self, run: str) -> dict:
+        listed = self.s3.client.list_objects_v2(Bucket=self.bucket, Prefix=f"{run}/checkpoints/")
+        found = {}
+        for item in listed.get("Contents", []):
+            step = item["Key"].split("/")[2]
+            found[step] = found.get(step, False) or item["Key"].endswith("/manifest.json")
+        return found
