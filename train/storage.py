@@ -63,6 +63,7 @@ from errors import CheckpointError, ConfigError, RunError, first_line
 UPLOADED = "uploaded"  # step_N/uploaded/rank{r}.json: what process r uploaded
 RUN_FILES_NOT_UPLOADED = (".lock",)
 LEASE = ".lease"  # <url>/.lease: the job that owns the run (its host, pid and start)
+LEASE_RELEASE_S = 10.0  # at most this long at exit to let the lease go
 LEASE_HELD = "TRAIN_STORE_LEASE_HOLDER"  # set where this process holds it, for its children
 # each request to S3: a store that takes longer to accept a connection, or to answer, is retried
 # (standard mode: 3 attempts with backoff), then failed
@@ -483,10 +484,17 @@ class Lease:
         self.done.set()
         if store_failed():
             return
+        # best effort, and briefly: a store that does not answer now must not hold the exit (the next
+        # job then takes the lease over once it is stale)
+        deleting = threading.Thread(target=self._delete, name="store-lease", daemon=True)
+        deleting.start()
+        deleting.join(timeout=LEASE_RELEASE_S)
+
+    def _delete(self) -> None:
         try:
-            self.bucket.bounded("", lambda: self.bucket.fs.rm(f"{self.bucket_name}/{self.key}"))
-        except StoreError:
-            _failures.clear()  # the job's own error, if any, was said before
+            self.bucket.fs.rm(f"{self.bucket_name}/{self.key}")
+        except Exception:  # noqa: BLE001, S110 - the lease then expires by itself
+            pass
 
     def _put(self, **condition) -> bool:
         """Write the lease if `condition` holds; False if it did not."""
