@@ -440,6 +440,7 @@ def test_a_bucket_deleted_mid_run_is_one_line(s3, corpus, tmp_path):
     next save is one line saying so, exit 1, no traceback."""
     bucket, run = "doomed", "deleted"
     s3.client.create_bucket(Bucket=bucket)
+    proxy, env = through_a_proxy(s3, tmp_path)
     args = baseline_args(f"s3://{bucket}/{run}", corpus, store_lease_s=4)
 
     def everything() -> list[str]:
@@ -447,22 +448,17 @@ def test_a_bucket_deleted_mid_run_is_one_line(s3, corpus, tmp_path):
         return [item["Key"] for page in pages for item in page.get("Contents", [])]
 
     def delete_the_bucket():
-        for _ in range(
-            50
-        ):  # again if an upload of the job's (its lease's renewal) lands in between
-            for key in everything():
-                s3.client.delete_object(Bucket=bucket, Key=key)
-            try:
-                return s3.client.delete_bucket(Bucket=bucket)
-            except s3.client.exceptions.ClientError:
-                time.sleep(0.02)
-        raise AssertionError("the bucket could not be deleted")
+        """All at once for the job: its requests held while the bucket's objects, then the bucket,
+        are deleted (several requests, between which its commit could otherwise run)."""
+        proxy.set("stall")
+        for key in everything():
+            s3.client.delete_object(Bucket=bucket, Key=key)
+        s3.client.delete_bucket(Bucket=bucket)
+        proxy.set("pass")
 
     watched = S3Bucket(s3, bucket)
     once_committed(watched, run, 8, tmp_path / "pod1", delete_the_bucket)
-    result = launch_accelerate(
-        [*args, "--staging_dir", tmp_path / "pod1"], tmp_path, env_extra=s3.env
-    )
+    result = launch_accelerate([*args, "--staging_dir", tmp_path / "pod1"], tmp_path, env_extra=env)
     assert_one_line_and_no_traceback(
         result,
         f"object storage s3://{bucket}/{run} failed: the bucket no longer exists (deleted?); "

@@ -71,17 +71,23 @@ class FaultProxy:
                     reset(client)
                     return
                 self.connections.append(client)
-                if self.mode == "stall":  # held: never read, never answered
-                    continue
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                reset(client)
-                continue
-            with self.lock:
-                self.connections.append(upstream)
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        while self.mode == "stall":  # accepted, held: never read, never answered (until "pass")
+            time.sleep(0.05)
+        if self.mode == "refuse":
+            reset(client)
+            return
+        try:
+            upstream = socket.create_connection(self.target)
+        except OSError:
+            reset(client)
+            return
+        with self.lock:
+            self.connections.append(upstream)
+        for source, sink in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         while True:
