@@ -330,9 +330,8 @@ def load_checked_config(argv, lease: bool = True) -> TrainConfig:
     cfg = load_config(argv)
     check_fork_files(cfg)  # model.py and data.py define what the template uses
     check_sources(cfg)  # --resume, --init_from
-    check_output_dir(
-        cfg.output_dir, cfg.upload_timeout_s
-    )  # on object storage: the package it needs, the bucket
+    # on object storage: the package it needs, the bucket
+    check_output_dir(cfg.output_dir, cfg.upload_timeout_s)
     if lease and is_url(cfg.output_dir) and os.environ.get("RANK", "0") == "0":
         take_lease(cfg)  # one job per URL, as the lock is one per folder (storage.py)
     check_devices(cfg)  # sync_batchnorm: GPUs only

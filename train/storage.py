@@ -54,6 +54,7 @@ import shutil
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from checkpoint import COMMITTED_NAME, MANIFEST, STEP_PREFIX, checkpoint_problem, file_digest
@@ -317,17 +318,14 @@ class Bucket:
             local = checkpoints / name
             started = time.perf_counter()
             lost = f"the checkpoint {name} could not be downloaded"
-            read = lambda: json.loads(self.fs.cat_file(f"{self._step(name)}/{MANIFEST}"))  # noqa: E731, B023
-            manifest = self.bounded(lost, read)
+            manifest_file = f"{self._step(name)}/{MANIFEST}"
+            manifest = json.loads(self.bounded(lost, partial(self.fs.cat_file, manifest_file)))
             names = [*manifest["files"], MANIFEST]
             for file in names:
                 (local / file).parent.mkdir(parents=True, exist_ok=True)
             size = sum(entry["bytes"] for entry in manifest["files"].values())
-            get = lambda: self.fs.get(  # noqa: E731
-                [f"{self._step(name)}/{file}" for file in names],  # noqa: B023
-                [str(local / file) for file in names],  # noqa: B023
-            )
-            self.bounded(lost, get, size)
+            sources = [f"{self._step(name)}/{file}" for file in names]
+            self.bounded(lost, partial(self.fs.get, sources, [str(local / f) for f in names]), size)
             problem = checkpoint_problem(local)
             if problem is None:
                 seconds = time.perf_counter() - started
