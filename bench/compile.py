@@ -70,12 +70,14 @@ def run_variant(variant: str, shape: dict, steps: int) -> dict:
     sys.path.insert(0, str(TRAIN))
     import torch
 
-    from config import TrainConfig
-    from lm import transformer_blocks
+    from blocks import transformer_blocks
+    from config import config_class
     from model import build_model
 
+    RunConfig = config_class()
+
     torch.manual_seed(0)
-    cfg = TrainConfig(**{k: v for k, v in shape.items() if k != "batch_size"})
+    cfg = RunConfig(**{k: v for k, v in shape.items() if k != "batch_size"})
     model = build_model(cfg)
     if variant == "whole":
         model.compile()

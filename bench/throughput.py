@@ -289,13 +289,15 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     import batches
     import data
     import main as accelerate_main
+    import plumbing as plumbing_module
     import streaming
     import torch_ddp
+    from blocks import flops_per_token
     from config import load_config
-    from lm import flops_per_token
     from model import build_model
     from plumbing import init_process_group
     from tracking import peak_flops_per_gpu
+
 
     cfg = load_config(train_args)
     configs = {
@@ -305,7 +307,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         # once, for every variant: each plumbing would start its own
         init_process_group(cfg.dist_timeout_s)
-        accelerate_main.init_process_group = torch_ddp.init_process_group = lambda timeout_s: None
+        plumbing_module.init_process_group = torch_ddp.init_process_group = lambda timeout_s: None
     # it fills the datasets cache, which the other ranks (and the variants) then read
     with _rank_zero_first():
         sample = data.build_datasets(cfg)[0][:FINAL_LOSS_BLOCKS]["input_ids"]
@@ -335,7 +337,7 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
                 plumbing = (
                     torch_ddp.TorchDDP(cfg)
                     if name == "torch"
-                    else accelerate_main.build_accelerator(cfg)
+                    else plumbing_module.build_accelerator(cfg)
                 )
                 accelerate_main.train(cfg, plumbing)
                 model = trained[name]
@@ -356,9 +358,9 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
         original_step(self)
         baton.step(local.name)
 
-    def export_model(plumbing, model, output_dir, **options):  # train()'s last act: keep its model
+    def export_model(plumbing, model, cfg):  # train()'s last act: keep its model
         trained[local.name] = plumbing.unwrap_model(model, keep_torch_compile=False)
-        return original_export(plumbing, model, output_dir, **options)
+        return original_export(plumbing, model, cfg)
 
     with tempfile.TemporaryDirectory() as own_folder:
         shared = [own_folder]
@@ -424,9 +426,9 @@ def bare_loop(cfg, baton: Baton, sample) -> None:
     each rank taking its slice of every global batch)."""
     import torch
 
+    from blocks import transformer_blocks
     from compiling import compile_wanted
     from data import build_datasets
-    from lm import transformer_blocks
     from model import build_model
     from optim import build_optimizer, set_lr
 
@@ -694,7 +696,7 @@ from accelerate import Accelerator
 sys.path.insert(0, {train!r})
 from model import build_model
 from config import TrainConfig
-cfg = TrainConfig(block_size={block_size}, n_layer={n_layer}, n_head={n_head}, n_embd={n_embd})
+cfg = RunConfig(block_size={block_size}, n_layer={n_layer}, n_head={n_head}, n_embd={n_embd})
 accelerator = Accelerator(cpu=not torch.cuda.is_available())
 def encode(batch):  # no closure: datasets caches the result by the function's hash, as it does the template's
     return {{"input_ids": [list(t.encode()[:{block_size}].ljust({block_size}, b" ")) for t in batch["text"]]}}

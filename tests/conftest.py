@@ -419,10 +419,12 @@ def tiny_llama(tmp_path_factory, bpe_tokenizer) -> Path:
 def model_declares_blocks() -> bool:
     """Whether model.py's model names its repeated blocks (_no_split_modules), which FSDP shards and
     activation checkpointing recomputes one by one. A fork's model without blocks skips those tests."""
-    from config import TrainConfig
+    from config import config_class
     from model import build_model
 
-    model = build_model(TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8))
+    RunConfig = config_class()
+
+    model = build_model(RunConfig(n_layer=1, n_head=2, n_embd=16, block_size=8))
     return bool(getattr(model, "_no_split_modules", None))
 
 

@@ -6,8 +6,10 @@ import torch
 from torch.utils.data import DataLoader
 
 import batches
-from config import TrainConfig
+from config import config_class
 from torch_ddp import RankBatches, TorchDDP
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 
 
 def test_epoch_sampler_is_a_seeded_permutation_per_epoch_cut_to_whole_global_batches():
@@ -63,7 +65,7 @@ def global_steps(world, batch, accum, steps, start=None, n=90, seed=5):
     global_batch = world * batch * accum
     streams = []
     for rank in range(world):
-        plumbing = TorchDDP(TrainConfig(batch_size=batch, grad_accum_steps=accum))
+        plumbing = TorchDDP(RunConfig(batch_size=batch, grad_accum_steps=accum))
         plumbing.num_processes, plumbing.process_index = world, rank  # this rank's view
         sampler = batches.EpochSampler(n, seed, global_batch)
         loader = plumbing.prepare(

@@ -16,11 +16,14 @@ import resume as resuming
 import saving
 from batches import EpochSampler, TrainBatches
 from checkpoint import TrainState, latest_checkpoint
-from config import TrainConfig
+from config import config_class
 from errors import CheckpointError, ConfigError, RunError
 from model import build_model
 from optim import build_optimizer
 from torch_ddp import TorchDDP
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
+
 
 IDENTITY = {"seed": 1337, "dataset": "corpus.jsonl", "train_blocks": 100, "data_digest": "abc"}
 
@@ -30,7 +33,7 @@ class Job:
     position, behind the torch path's plumbing with one process (no process group)."""
 
     def __init__(self, tmp_path, world_size=1, **kw):
-        self.cfg = TrainConfig(
+        self.cfg = RunConfig(
             **{
                 "output_dir": str(tmp_path / "run"),
                 "n_layer": 1,

@@ -5,10 +5,12 @@ import time
 
 import pytest
 
-from config import TrainConfig, load_config
+from config import TrainConfig, config_class, load_config
 from conftest import REPO, base_env, free_port, run, run_python
 from errors import ConfigError
 from job import load_checked_config
+
+RunConfig = config_class()
 
 
 def test_defaults_yaml_then_cli_precedence(tmp_path):
@@ -20,7 +22,7 @@ def test_defaults_yaml_then_cli_precedence(tmp_path):
     assert cfg.lr == 5e-4  # CLI beats YAML
     assert cfg.batch_size == 3  # YAML beats the default
     assert cfg.compile == "true"
-    assert cfg.max_steps == TrainConfig().max_steps  # untouched default
+    assert cfg.max_steps == RunConfig().max_steps  # untouched default
 
 
 def test_default_warmup_adapts_to_short_runs():
@@ -200,13 +202,14 @@ def test_help_names_the_script_and_shows_whole_comments(tmp_path, script):
     assert "the launcher's" in precision and "wins over the launcher" in precision
 
 
-def test_config_reads_no_data_model_or_hub(tmp_path):
+def test_config_reads_no_data_or_hub(tmp_path):
     """config.py checks types and ranges only: loading a config imports neither datasets nor transformers (what
-    needs them is checked by job.load_checked_config, still before any process group)."""
+    needs them is checked by job.load_checked_config, still before any process group). It reads the fork's files
+    for their own keys (model.py's ModelConfig, data.py's DataConfig), which import neither at module level."""
     probe = (
         "import sys; sys.path.insert(0, 'train'); from config import load_config; "
         "load_config(['--hf_model', 'someone/some-model', '--dataset', 'someone/some-data']); "
-        "print(sorted(m for m in ('datasets', 'transformers', 'data', 'model', 'lm') if m in sys.modules))"
+        "print(sorted(m for m in ('datasets', 'transformers') if m in sys.modules))"
     )
     result = run([sys.executable, "-c", probe], base_env(tmp_path), timeout=60)
     assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == "[]", result.stdout

@@ -7,14 +7,16 @@ from types import SimpleNamespace
 import torch
 
 import hangs
-from config import TrainConfig
+from config import config_class
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 
 
 def watch_of(world_size: int, notes: dict, rank: int = 0, **cfg) -> hangs.Watch:
     """A Watch of `rank` in a world of `world_size`, without a process group: the notes the others
     published are given."""
     plumbing = SimpleNamespace(process_index=rank, num_processes=world_size, device="cpu")
-    watch = hangs.Watch(plumbing, TrainConfig(output_dir="runs/x", **cfg))
+    watch = hangs.Watch(plumbing, RunConfig(output_dir="runs/x", **cfg))
     watch.notes = lambda: notes
     return watch
 
@@ -100,7 +102,7 @@ def test_exactly_one_rank_says_the_line_and_without_the_store_each_node_s_local_
     said = []
     for rank in (1, 0):  # rank 1 claims the line first
         plumbing = SimpleNamespace(process_index=rank, num_processes=4, device="cpu")
-        watch = hangs.Watch(plumbing, TrainConfig(output_dir=str(tmp_path)))
+        watch = hangs.Watch(plumbing, RunConfig(output_dir=str(tmp_path)))
         watch.store = store
         monkeypatch.setattr(hangs, "_watch", watch)
         said.append(hangs.explain(gone))
@@ -116,7 +118,7 @@ def test_exactly_one_rank_says_the_line_and_without_the_store_each_node_s_local_
     for local_rank, says_it in (("1", False), ("0", True)):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         plumbing = SimpleNamespace(process_index=2 + int(local_rank), num_processes=4, device="cpu")
-        watch = hangs.Watch(plumbing, TrainConfig(output_dir=str(tmp_path)))
+        watch = hangs.Watch(plumbing, RunConfig(output_dir=str(tmp_path)))
         watch.store = store
         monkeypatch.setattr(hangs, "_watch", watch)
         line, says = hangs.explain(gone)

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 import harness
-from config import TrainConfig
+from config import config_class
 from errors import ConfigError
 from model import build_model
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
+
 
 INSTALLED = importlib.util.find_spec("lm_eval") is not None
 # CI installs the optional requirements-eval.txt: there a missing harness is a failure, not a skip
@@ -79,7 +82,7 @@ def accuracy_by_hand(model, encode) -> float:
 @needs_harness
 @pytest.mark.shipped  # the shipped GPT over bytes
 def test_the_built_in_gpt_scores_as_computed_by_hand(tmp_path):
-    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)
+    cfg = RunConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     task = write_task(tmp_path)
@@ -107,7 +110,7 @@ def test_a_hugging_face_model_scores_as_computed_by_hand(tmp_path, tiny_llama, b
 @needs_harness
 @pytest.mark.shipped  # the shipped GPT over bytes
 def test_batched_scoring_equals_one_at_a_time_and_keeps_the_last_block_size_tokens():
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    cfg = RunConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
     torch.manual_seed(1)
     model = build_model(cfg).eval()
     lm = harness.HarnessLM(model, None, block_size=8, batch_size=3)
@@ -197,5 +200,5 @@ def test_generation_is_greedy_within_the_block_and_stops_at_the_first_until_stri
 def tiny_gpt_and_its_harness_lm(seed: int):
     """The shipped GPT over bytes, 1 layer, a block of 8, in eval mode, and the harness's LM over it."""
     torch.manual_seed(seed)
-    model = build_model(TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)).eval()
+    model = build_model(RunConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)).eval()
     return model, harness.HarnessLM(model, None, block_size=8)

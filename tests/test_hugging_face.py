@@ -16,11 +16,13 @@ from transformers import AutoTokenizer
 import data
 import lm
 from checkpoint import save_safetensors
-from config import TrainConfig, load_config
+from config import config_class, load_config
 from conftest import REPO, run_python, save_tiny_llama
 from errors import ConfigError
 from job import load_checked_config
 from model import build_model
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 
 
 def sample_script():
@@ -173,7 +175,7 @@ def test_sample_gives_the_same_text_for_the_same_seed_and_refuses_weights_of_ano
     tmp_path,
 ):
     sample = sample_script()
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
+    cfg = RunConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
     run = write_run_folder(tmp_path / "run", cfg)
     _, model, tokenizer = sample.load_trained(run)
     texts = [sample.generate(model, tokenizer, 16, "def ", 40, 0.8, 20, seed) for seed in (0, 0, 1)]
@@ -184,7 +186,7 @@ def test_sample_gives_the_same_text_for_the_same_seed_and_refuses_weights_of_ano
     ]
     assert greedy[0] == greedy[1]  # temperature 0: the likeliest token, whatever the seed
     wider = write_run_folder(
-        tmp_path / "wider", TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
+        tmp_path / "wider", RunConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
     )
     (run / "model.safetensors").write_bytes((wider / "model.safetensors").read_bytes())
     with pytest.raises(
@@ -200,7 +202,7 @@ def test_sample_works_with_a_hugging_face_model_and_its_tokenizer(
     sample = sample_script()
     run = write_run_folder(
         tmp_path / "run",
-        TrainConfig(hf_model=str(tiny_llama), tokenizer=str(bpe_tokenizer), block_size=32),
+        RunConfig(hf_model=str(tiny_llama), tokenizer=str(bpe_tokenizer), block_size=32),
     )
     _, model, tokenizer = sample.load_trained(run)
     first, again = (

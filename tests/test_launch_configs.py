@@ -6,9 +6,12 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.launch import prepare_multi_gpu_env
 
-from config import TrainConfig
+from config import config_class
 from conftest import NEEDS_BLOCKS, REPO, model_declares_blocks
 from model import build_model
+
+RunConfig = config_class()
+
 
 CONFIGS = REPO / "accelerate_configs"
 
@@ -68,7 +71,7 @@ def test_the_fsdp_configs_launch_fsdp2_sharded_by_the_models_blocks(
     assert plugin.fsdp_version == 2
     if not model_declares_blocks():
         pytest.skip(NEEDS_BLOCKS)
-    model = build_model(TrainConfig(n_layer=2, n_head=2, n_embd=16, block_size=8))
+    model = build_model(RunConfig(n_layer=2, n_head=2, n_embd=16, block_size=8))
     plugin.set_auto_wrap_policy(model)  # accelerate wraps what the model's _no_split_modules names
     wrapped = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
     assert [c.__name__ for c in wrapped] == model._no_split_modules

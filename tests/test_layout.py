@@ -42,25 +42,40 @@ def test_imports_run_one_way():
         visit(module)
 
 
-def test_only_the_entry_point_and_the_stream_use_the_fork_files_and_through_few_names():
+def test_only_the_seam_reaches_the_fork_files_and_the_loop_uses_it_through_few_names():
+    # task.py imports model.py and data.py where it first calls them (importlib), so that a name a
+    # fork's file lacks is task.py's one-line error at start-up, not an ImportError
     users = {module for module in MODULES - FORK_FILES if imports_of(module).keys() & FORK_FILES}
-    assert users == {"main", "streaming"}, users
-    assert imports_of("main")["data"] == {"build_datasets", "collate"}
-    # model.py is imported whole, as `task` (so that a name it lacks is task.py's one-line error at
-    # start-up, not an ImportError): what main.py uses of it
+    assert users == set(), users
+    seam = (TRAIN / "task.py").read_text()
+    assert 'SETTINGS = {"model": "ModelConfig", "data": "DataConfig"}' in seam
+    assert "importlib.import_module(name)" in seam
+    # what main.py uses of the seam
     main = ast.parse((TRAIN / "main.py").read_text())
     used = {
         node.attr
         for node in ast.walk(main)
         if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "task"
     }
-    assert used == {"build_model", "eval_columns", "eval_metrics"}, used
-    assert imports_of("torch_ddp").keys().isdisjoint(FORK_FILES)
+    assert used == {
+        "training_model",
+        "check_loss_contract",
+        "evaluate",
+        "tokens_per_sample",
+        "build_model",
+    }, used
     for fork_file in FORK_FILES:  # the fork's files may use the template's helpers, never the loop
         assert imports_of(fork_file).keys() <= {"lm", "checks", "errors", "config"}, fork_file
 
 
+def test_main_imports_from_few_modules():
+    """The loop's file reads in one sitting: its set-up is a few finished calls, from few modules."""
+    assert len(imports_of("main")) <= 14, sorted(imports_of("main"))
+
+
 def test_the_error_vocabulary_and_the_config_import_nothing_of_the_template_above_them():
     assert imports_of("errors") == {}
-    assert set(imports_of("config")) == {"errors", "sources"}
+    # config.py reads the fork's own keys through the seam, which imports nothing above it
+    assert set(imports_of("config")) == {"errors", "sources", "task"}
+    assert set(imports_of("task")) == {"errors", "blocks", "buffers"}
     assert set(imports_of("sources")) == {"errors"}

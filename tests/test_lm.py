@@ -6,9 +6,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from blocks import checkpoint_activations
+from config import config_class
 from errors import ConfigError
-from lm import causal_lm_loss, checkpoint_activations, eval_columns, eval_metrics, token_columns
+from lm import causal_lm_loss, token_columns, token_metrics
 from task import check_loss_contract
+
+RunConfig = config_class()
 
 
 def test_a_model_without_named_blocks_cannot_be_checkpointed_or_sharded_and_says_why():
@@ -21,7 +25,7 @@ def test_eval_columns_are_exact_in_any_chunking_and_ignore_masked_labels():
     logits = torch.randn(3, 9, 50, dtype=torch.bfloat16)
     labels = torch.randint(0, 50, (3, 9))
     labels[1, 5:] = -100  # a padded sample: its last positions do not count
-    whole = eval_columns(SimpleNamespace(logits=logits), {"labels": labels})
+    whole = token_columns(logits, labels)
     one_position_at_a_time = token_columns(logits, labels, max_floats=1)
     assert whole.keys() == one_position_at_a_time.keys() == {"tokens", "loss", "accuracy"}
     for name in whole:
@@ -35,7 +39,7 @@ def test_eval_columns_are_exact_in_any_chunking_and_ignore_masked_labels():
 
 
 def test_every_column_but_tokens_is_reported_per_token():
-    metrics = eval_metrics({"tokens": 10.0, "loss": 23.0, "accuracy": 4.0, "top5": 7.0})
+    metrics = token_metrics({"tokens": 10.0, "loss": 23.0, "accuracy": 4.0, "top5": 7.0})
     assert metrics["loss"] == 2.3 and metrics["accuracy"] == 0.4 and metrics["top5"] == 0.7
     assert metrics["perplexity"] == pytest.approx(2.718281828**2.3)
 
@@ -56,14 +60,10 @@ def test_a_loss_without_the_next_token_shift_is_refused_in_one_line():
         model = torch.nn.Module()
         model.forward = forward
         if not refused:
-            check_loss_contract(
-                model, {"input_ids": ids, "labels": ids}, eval_columns, eval_metrics
-            )
+            check_loss_contract(model, {"input_ids": ids, "labels": ids}, RunConfig())
             continue
         with pytest.raises(
             ConfigError, match=r"is not the loss its eval_columns and eval_metrics report"
         ) as error:
-            check_loss_contract(
-                model, {"input_ids": ids, "labels": ids}, eval_columns, eval_metrics
-            )
+            check_loss_contract(model, {"input_ids": ids, "labels": ids}, RunConfig())
         assert "\n" not in str(error.value)

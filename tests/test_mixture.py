@@ -10,10 +10,12 @@ import torch
 
 import data
 from batches import data_identity, data_order, fast_reader
-from config import TrainConfig, load_config
+from config import config_class, load_config
 from errors import ConfigError
 from mixture import Concatenation, MixtureSampler, apportion, build_data, spread
 from sources import Source
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 
 
 def test_the_compact_form_and_the_yaml_list_give_the_same_sources(tmp_path):
@@ -140,7 +142,7 @@ def test_a_mixture_of_two_corpora_trains_on_the_weights_shares(tmp_path):
             for i in range(docs):
                 f.write(json.dumps({"text": f"{word} {i} " * 12}) + "\n")
     mixture = f"{tmp_path / 'web.jsonl'}:0.75,{tmp_path / 'code.jsonl'}:0.25"
-    cfg = TrainConfig(dataset=load_config(["--dataset", mixture]).dataset, block_size=16)
+    cfg = RunConfig(dataset=load_config(["--dataset", mixture]).dataset, block_size=16)
     train_set, eval_sets = build_data(cfg, data.build_datasets)
     assert list(eval_sets) == ["web", "code"] and all(len(s) for s in eval_sets.values())
     sampler = data_order(cfg, train_set, samples_per_step=16)
@@ -167,7 +169,7 @@ def test_a_resume_with_other_weights_or_sources_is_refused_in_one_line(tmp_path)
     from sources import parse_dataset
 
     parts = Concatenation({"a": [0] * 10, "b": [0] * 5})
-    saved_cfg = TrainConfig(dataset=parse_dataset("x/a.jsonl:0.7,y/b.jsonl:0.3"))
+    saved_cfg = RunConfig(dataset=parse_dataset("x/a.jsonl:0.7,y/b.jsonl:0.3"))
     geometry = {"global_batch": 16, "block_size": 128, "optimizer": "adamw"}
     about = {"run": {**geometry, **data_identity(saved_cfg, parts)}, "step": 1}
     same = replace(saved_cfg, dataset=parse_dataset("x/a.jsonl:7,y/b.jsonl:3"))
@@ -188,7 +190,7 @@ def test_each_source_is_built_with_its_own_split_configuration_and_text_column()
         "[{path: owner/books, config: en, split: validation, text_column: body, weight: 0.7},"
         " {path: owner/web, weight: 0.3}]"
     )
-    cfg = TrainConfig(
+    cfg = RunConfig(
         dataset=load_config(["--dataset", flow]).dataset, dataset_split="train", text_column="text"
     )
     seen = {}

@@ -6,17 +6,21 @@ import math
 import pytest
 import torch
 
-from config import TrainConfig
+from blocks import checkpoint_activations
+from config import config_class
 from lm import BYTE_VOCAB_SIZE as VOCAB_SIZE
-from lm import causal_lm_loss, checkpoint_activations
+from lm import causal_lm_loss
 from model import build_model
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
+
 
 # the shipped GPT: a fork that swaps the model adapts or deletes these
 pytestmark = pytest.mark.shipped
 
 
 def tiny_cfg(**kw):
-    return TrainConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, **kw})
+    return RunConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, **kw})
 
 
 def test_shapes_and_loss_at_init_is_uniform():
@@ -108,7 +112,7 @@ def test_compile_makes_each_block_a_region_of_its_own_and_a_model_without_blocks
     a model that declares no blocks is compiled whole. Compiling is lazy: nothing runs here."""
     from compiling import compile_model
 
-    model = build_model(TrainConfig(n_layer=3, n_head=2, n_embd=16, block_size=8))
+    model = build_model(RunConfig(n_layer=3, n_head=2, n_embd=16, block_size=8))
     compile_model(model)
     assert all(block._compiled_call_impl is not None for block in model.blocks)
     assert model._compiled_call_impl is None, "the whole model was compiled as one graph"

@@ -10,13 +10,26 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from config import TrainConfig
+from config import config_class
 from conftest import REPO
 from plumbing import Plumbing
 from torch_ddp import Autocast, ShardedLoader, TorchDDP
 
+RunConfig = config_class()
+
+
 # the code the contract serves
-USERS = ["main.py", "checkpoint.py", "resume.py", "tracking.py", "job.py", "streaming.py"]
+USERS = [
+    "main.py",
+    "batches.py",
+    "task.py",
+    "compiling.py",
+    "checkpoint.py",
+    "resume.py",
+    "tracking.py",
+    "job.py",
+    "streaming.py",
+]
 METHODS = [
     name
     for name, member in vars(Plumbing).items()
@@ -50,7 +63,7 @@ def test_the_contract_names_exactly_what_the_training_code_uses():
 
 @pytest.mark.parametrize("which", ["accelerate", "torch"])
 def test_both_plumbings_satisfy_the_contract_with_compatible_signatures(which, accelerator):
-    plumbing = accelerator if which == "accelerate" else TorchDDP(TrainConfig())
+    plumbing = accelerator if which == "accelerate" else TorchDDP(RunConfig())
     assert isinstance(plumbing, Plumbing)
     for name in METHODS:
         wanted = inspect.signature(getattr(Plumbing, name))
@@ -68,7 +81,7 @@ def test_both_plumbings_satisfy_the_contract_with_compatible_signatures(which, a
 
 
 def test_prepare_takes_any_objects_like_accelerate():
-    plumbing = TorchDDP(TrainConfig())
+    plumbing = TorchDDP(RunConfig())
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
@@ -84,7 +97,7 @@ def test_prepare_takes_any_objects_like_accelerate():
 
 
 def test_bf16_wraps_the_module_and_unwrap_model_takes_every_wrapper_off():
-    plumbing = TorchDDP(TrainConfig(mixed_precision="bf16"))
+    plumbing = TorchDDP(RunConfig(mixed_precision="bf16"))
     model = torch.nn.Linear(4, 4)
     prepared = plumbing.prepare(model)
     assert isinstance(prepared, Autocast) and prepared(torch.ones(2, 4)).dtype == torch.bfloat16
@@ -93,7 +106,7 @@ def test_bf16_wraps_the_module_and_unwrap_model_takes_every_wrapper_off():
 
 
 def test_gather_for_metrics_takes_nested_data_and_keeps_no_state():
-    plumbing = TorchDDP(TrainConfig())
+    plumbing = TorchDDP(RunConfig())
     data = {"loss": torch.arange(3.0), "pair": (torch.ones(2), [torch.zeros(1)])}
     gathered = plumbing.gather_for_metrics(data)
     assert torch.equal(gathered["loss"], data["loss"]) and isinstance(gathered["pair"], tuple)

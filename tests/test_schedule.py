@@ -5,13 +5,15 @@ import math
 import pytest
 import torch
 
-from config import TrainConfig
+from config import config_class
 from model import build_model
 from optim import build_optimizer, lr_at, set_lr
 
+RunConfig = config_class()
+
 
 def test_warmup_peak_and_cosine_end():
-    cfg = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    cfg = RunConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
     assert lr_at(0, cfg) == pytest.approx(0.1)  # first step already trains
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(10, cfg) == pytest.approx(1.0)
@@ -22,14 +24,14 @@ def test_warmup_peak_and_cosine_end():
 
 
 def test_no_warmup():
-    cfg = TrainConfig(lr=2.0, min_lr=0.0, warmup_steps=0, max_steps=4)
+    cfg = RunConfig(lr=2.0, min_lr=0.0, warmup_steps=0, max_steps=4)
     assert [lr_at(s, cfg) for s in range(5)] == pytest.approx(
         [1 + math.cos(math.pi * s / 4) for s in range(5)]
     )
 
 
 def test_decay_only_on_matrices():
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, weight_decay=0.1)
+    cfg = RunConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, weight_decay=0.1)
     model = build_model(cfg)
     decay, no_decay = build_optimizer(model, cfg).param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -42,7 +44,7 @@ def test_decay_only_on_matrices():
 
 
 def test_the_schedule_ends_at_its_horizon_and_warmup_follows_it():
-    cfg = TrainConfig(lr=1.0, min_lr=0.1, max_steps=200, lr_decay_steps=100)
+    cfg = RunConfig(lr=1.0, min_lr=0.1, max_steps=200, lr_decay_steps=100)
     assert cfg.warmup == 10  # lr_decay_steps // 10
     assert lr_at(100, cfg) == pytest.approx(0.1)
     assert all(lr_at(s, cfg) == pytest.approx(0.1) for s in range(100, 200))  # extended at min_lr
@@ -50,7 +52,7 @@ def test_the_schedule_ends_at_its_horizon_and_warmup_follows_it():
 
 @pytest.mark.shipped  # names the shipped GPT's modules
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
-    cfg = TrainConfig(
+    cfg = RunConfig(
         n_layer=2, n_head=2, n_embd=16, block_size=8, optimizer="muon", bias=True, lr=1e-3
     )
     model = build_model(cfg)
@@ -78,7 +80,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
 def test_each_optimizer_gets_its_own_hyperparameters_from_the_config():
     """Muon's groups take muon_momentum and muon_weight_decay, AdamW's take beta1, beta2 and
     weight_decay (none on 1-D tensors): set apart so that a swap of any two shows."""
-    cfg = TrainConfig(
+    cfg = RunConfig(
         n_layer=1,
         n_head=2,
         n_embd=16,
@@ -104,7 +106,7 @@ def test_each_optimizer_gets_its_own_hyperparameters_from_the_config():
 
 @pytest.mark.shipped  # the shipped GPT's blocks
 def test_muon_with_adamw_saves_and_loads_as_one_optimizer():
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, optimizer="muon")
+    cfg = RunConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, optimizer="muon")
     torch.manual_seed(0)
     model = build_model(cfg)
     optimizer = build_optimizer(model, cfg)
@@ -127,7 +129,7 @@ def test_muon_with_adamw_saves_and_loads_as_one_optimizer():
 def test_set_lr_gives_lr_groups_the_schedule_exactly():
     """AdamW's groups (with or without Muon beside them) take lr_at itself, never lr_at * lr / lr, which
     differs in the last bit at 9 of the default job's 300 steps: the AdamW path stays as it was, bitwise."""
-    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    cfg = RunConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
     optimizer = build_optimizer(build_model(cfg), cfg)
     for step in range(cfg.max_steps):
         assert set_lr(optimizer, step, cfg) == lr_at(step, cfg)

@@ -15,15 +15,19 @@ from safetensors.torch import load_model
 import checkpoint
 import resume as resuming
 import saving
+from blocks import checkpoint_activations, transformer_blocks
 from checkpoint import TrainState
-from config import TrainConfig
+from config import config_class
 from conftest import NEEDS_BLOCKS, REPO, free_port, model_declares_blocks
 from errors import CheckpointError, ConfigError
-from lm import checkpoint_activations, transformer_blocks
 from model import build_model
 from optim import build_optimizer
+from plumbing import build_accelerator
 from sharding import fsdp_setting
 from torch_ddp import TorchDDP
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
+
 
 IDENTITY = {"seed": 1337}
 
@@ -41,7 +45,7 @@ def launched(monkeypatch):
 
 
 def cfg_for(tmp_path, **kw):
-    return TrainConfig(
+    return RunConfig(
         **{
             "output_dir": str(tmp_path / "run"),
             "n_layer": 2,
@@ -177,7 +181,7 @@ def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_r
     cfg, plumbing, model, optimizer = sharded_job(tmp_path)
     train_a_step(model, optimizer)
     (tmp_path / "run").mkdir()
-    path = checkpoint.export_model(plumbing, model, cfg.output_dir)
+    path = checkpoint.write_export(plumbing, model, cfg.output_dir)
     plain = build_model(cfg)  # no process group needed to use it
     # strict: every weight there, tied ones once, as an unsharded run writes it
     load_model(plain, str(path))
@@ -192,7 +196,6 @@ def test_the_export_of_a_sharded_model_is_an_ordinary_model_file_and_init_from_r
 
 
 def test_fsdp_without_a_launcher_and_on_main_py_are_one_line_errors(tmp_path, monkeypatch):
-    import main
 
     # no MASTER_ADDR: no process group to shard over
     plumbing = TorchDDP(cfg_for(tmp_path, fsdp="full"))
@@ -204,15 +207,15 @@ def test_fsdp_without_a_launcher_and_on_main_py_are_one_line_errors(tmp_path, mo
         match="fsdp hybrid on main.py needs CUDA GPUs: accelerate shards GPU processes only .* "
         "torchrun --nproc_per_node N train/torch_ddp.py --fsdp hybrid",
     ):
-        main.build_accelerator(cfg_for(tmp_path, fsdp="hybrid"))
+        build_accelerator(cfg_for(tmp_path, fsdp="hybrid"))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="set fsdp_version: 2"):
-        main.build_accelerator(cfg_for(tmp_path))
+        build_accelerator(cfg_for(tmp_path))
 
 
 def accelerator_arguments(monkeypatch) -> dict:
-    """What main.build_accelerator passes to accelerate.Accelerator, recorded instead of building one
+    """What plumbing.build_accelerator passes to accelerate.Accelerator, recorded instead of building one
     (filled at each call)."""
     import accelerate
 
@@ -262,23 +265,23 @@ def test_fsdp_on_main_py_under_torchrun_is_the_accelerate_config_s_fsdp(
     --config_file accelerate_configs/fsdp_8gpu.yaml` gives it, field by field and in the blocks it
     wraps, with the fp32 gradient reduction; hybrid on 2 nodes x 8 the same 2 x 8 mesh as
     2node_hsdp.yaml. (The Accelerator is not started: FSDP through accelerate needs GPUs.)"""
-    import main
+    import plumbing as plumbings
 
     expected, launched = plugin_from_the_accelerate_config(yaml, monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("WORLD_SIZE", "16" if fsdp == "hybrid" else "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    monkeypatch.setattr(main, "init_process_group", lambda timeout_s: None)
-    monkeypatch.setattr(main, "check_world_size", lambda n: None)
+    monkeypatch.setattr(plumbings, "init_process_group", lambda timeout_s: None)
+    monkeypatch.setattr(plumbings, "check_world_size", lambda n: None)
     built = accelerator_arguments(monkeypatch)
     cfg = cfg_for(tmp_path, fsdp=fsdp, mixed_precision="bf16")
-    main.build_accelerator(cfg)
+    build_accelerator(cfg)
     plugin = built["fsdp_plugin"]
     differ = [f for f in FSDP_FIELDS if getattr(plugin, f) != getattr(expected, f)]
     assert not differ, [(f, getattr(plugin, f), getattr(expected, f)) for f in differ]
     if model_declares_blocks():
         for each in (plugin, expected):
-            each.set_auto_wrap_policy(build_model(TrainConfig(n_layer=2, n_head=2, n_embd=16)))
+            each.set_auto_wrap_policy(build_model(RunConfig(n_layer=2, n_head=2, n_embd=16)))
         wrapped = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
         assert wrapped == expected.auto_wrap_policy.keywords["transformer_layer_cls"]
     policy = plugin.mixed_precision_policy
@@ -300,9 +303,8 @@ KNOBS = dict(
 
 
 def test_the_ddp_knobs_reach_accelerates_ddp(tmp_path):
-    import main
 
-    accelerator = main.build_accelerator(cfg_for(tmp_path, **KNOBS))
+    accelerator = build_accelerator(cfg_for(tmp_path, **KNOBS))
     assert {k: v for k, v in accelerator.ddp_handler.to_kwargs().items() if k in KNOBS} == KNOBS
 
 
@@ -321,7 +323,7 @@ def test_the_ddp_knobs_reach_ddp_on_the_torch_path(tmp_path, launched):
     )
     assert ddp.bucket_bytes_cap == 7 * 1024 * 1024
     # left at DDP's defaults, nothing is passed (nor warned about)
-    assert TrainConfig().ddp_options() == {}
+    assert RunConfig().ddp_options() == {}
 
 
 def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does(
@@ -329,7 +331,6 @@ def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path
 ):
     """accelerate's own FSDP2 policy for bf16 reduces in bf16; main.py hands it the torch path's policy. (The plugin
     is built from what `accelerate launch --config_file accelerate_configs/fsdp_8gpu.yaml` sets.)"""
-    import main
 
     for key, value in dict(
         ACCELERATE_USE_FSDP="true",
@@ -339,9 +340,9 @@ def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path
     ).items():
         monkeypatch.setenv(key, value)
     built = accelerator_arguments(monkeypatch)
-    main.build_accelerator(cfg_for(tmp_path))
+    build_accelerator(cfg_for(tmp_path))
     policy = built["fsdp_plugin"].mixed_precision_policy
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
-    main.build_accelerator(cfg_for(tmp_path))
+    build_accelerator(cfg_for(tmp_path))
     assert built["fsdp_plugin"] is None  # fp32 throughout: accelerate's own plugin

@@ -1,4 +1,4 @@
-"""A stop signal that reaches a DataLoader worker leaves it to the training process (job.py).
+"""A stop signal that reaches a DataLoader worker leaves it to the training process (stopping.py).
 
 Launchers and schedulers signal whole process groups or job steps, loader workers included; the
 training process must live on to checkpoint, so its workers must too. These run real DataLoaders with
@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import job
+import stopping
 from conftest import REPO
 
 STOPS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -34,8 +34,10 @@ def alive(pid: int) -> bool:
 
 def loader(start_method: str, monkeypatch) -> DataLoader:
     """A loader with the options main.py gives its loaders, under `start_method`."""
-    monkeypatch.setattr(job.multiprocessing, "get_start_method", lambda allow_none: start_method)
-    options = job.loader_worker_options(num_workers=2)
+    monkeypatch.setattr(
+        stopping.multiprocessing, "get_start_method", lambda allow_none: start_method
+    )
+    options = stopping.loader_worker_options(num_workers=2)
     return DataLoader(list(range(64)), batch_size=4, num_workers=2, **options)
 
 

@@ -14,10 +14,12 @@ import torch
 
 import storage
 from checkpoint import MANIFEST
-from config import TrainConfig
+from config import config_class
 from errors import ConfigError, RunError
 from saving import Checkpointer
 from test_checkpoint import Job, Log, same_tensors
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 
 
 def bucket_job(tmp_path: Path, staging: str, **kw) -> Job:
@@ -144,13 +146,11 @@ def test_the_start_up_check_names_the_missing_package_or_the_bad_url_in_one_line
 
 
 def test_the_staging_folder_is_named_after_the_url_unless_given():
-    cfg = TrainConfig(output_dir="s3://bucket/team/run")
+    cfg = RunConfig(output_dir="s3://bucket/team/run")
     assert cfg.run_dir.endswith("/train-staging/s3/bucket/team/run")
     assert not cfg.run_dir_is_shared  # each node stages its own
-    assert (
-        TrainConfig(output_dir="s3://b/run", staging_dir="/scratch/run").run_dir == "/scratch/run"
-    )
-    local = TrainConfig(output_dir="/runs/a")
+    assert RunConfig(output_dir="s3://b/run", staging_dir="/scratch/run").run_dir == "/scratch/run"
+    local = RunConfig(output_dir="/runs/a")
     assert local.run_dir == "/runs/a" and local.run_dir_is_shared
 
 

@@ -14,8 +14,10 @@ from PIL import Image
 
 import task
 from batches import content_digest
-from config import TrainConfig
+from config import config_class
 from errors import ConfigError
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 
 
 def classifier_columns(output, batch):
@@ -24,7 +26,7 @@ def classifier_columns(output, batch):
     return {"samples": torch.ones(len(right)), "loss": losses, "right": right.double()}
 
 
-def classifier_metrics(sums):
+def classifier_metrics(sums, cfg):
     return {"loss": sums["loss"] / sums["samples"], "accuracy": sums["right"] / sums["samples"]}
 
 
@@ -42,21 +44,30 @@ def model_returning(loss_of):
 BATCH = {"pixels": torch.zeros(4, 1), "labels": torch.tensor([0, 1, 2, 1])}
 
 
-def test_a_classifier_whose_loss_is_its_evaluations_passes_and_one_that_differs_is_refused():
+def check_contract(monkeypatch, model, eval_columns, eval_metrics):
+    """task.check_loss_contract with these as the fork's eval_columns and eval_metrics."""
+    monkeypatch.setattr(task, "eval_columns", eval_columns)
+    monkeypatch.setattr(task, "eval_metrics", eval_metrics)
+    task.check_loss_contract(model, BATCH, RunConfig())
+
+
+def test_a_classifier_whose_loss_is_its_evaluations_passes_and_one_that_differs_is_refused(
+    monkeypatch,
+):
     agreeing = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
-    task.check_loss_contract(agreeing, BATCH, classifier_columns, classifier_metrics)
+    check_contract(monkeypatch, agreeing, classifier_columns, classifier_metrics)
     doubled = model_returning(lambda logits, labels: 2 * F.cross_entropy(logits, labels))
     with pytest.raises(ConfigError, match=r"^train/model.py: the model's .loss \(") as error:
-        task.check_loss_contract(doubled, BATCH, classifier_columns, classifier_metrics)
+        check_contract(monkeypatch, doubled, classifier_columns, classifier_metrics)
     assert "\n" not in str(error.value)
     # a task that reports no loss is not held to one; a model without .loss is
-    task.check_loss_contract(doubled, BATCH, classifier_columns, lambda sums: {"accuracy": 1.0})
+    check_contract(monkeypatch, doubled, classifier_columns, lambda sums, cfg: {"accuracy": 1.0})
     silent = model_returning(lambda logits, labels: None)
     with pytest.raises(ConfigError, match=r"must return an object whose .loss is the scalar"):
-        task.check_loss_contract(silent, BATCH, classifier_columns, classifier_metrics)
+        check_contract(monkeypatch, silent, classifier_columns, classifier_metrics)
 
 
-def test_columns_that_are_not_one_value_per_sample_are_refused_by_name():
+def test_columns_that_are_not_one_value_per_sample_are_refused_by_name(monkeypatch):
     model = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
 
     def per_token(output, batch):  # a causal LM's habit: (batch, positions), not (batch,)
@@ -65,7 +76,7 @@ def test_columns_that_are_not_one_value_per_sample_are_refused_by_name():
     with pytest.raises(
         ConfigError, match=r"eval_columns' 'loss' must be one value per sample, shape \(4,\)"
     ):
-        task.check_loss_contract(model, BATCH, per_token, classifier_metrics)
+        check_contract(monkeypatch, model, per_token, classifier_metrics)
 
 
 def test_an_error_inside_the_forks_evaluation_names_its_file_and_line(tmp_path, monkeypatch):
@@ -79,18 +90,18 @@ def test_an_error_inside_the_forks_evaluation_names_its_file_and_line(tmp_path, 
     exec(compile(fork_file.read_text(), str(fork_file), "exec"), module.__dict__)
     model = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
     with pytest.raises(ConfigError, match=r"^train/model.py:2: IndexError: too many indices"):
-        task.check_loss_contract(model, BATCH, module.eval_columns, classifier_metrics)
+        check_contract(monkeypatch, model, module.eval_columns, classifier_metrics)
 
 
 def test_a_fork_file_missing_a_name_is_one_line_naming_the_file_and_the_name(monkeypatch):
     fork_model = types.ModuleType("model")
     fork_model.build_model = lambda cfg: None
-    fork_model.eval_metrics = lambda sums: {}
+    fork_model.eval_metrics = lambda sums, cfg: {}
     monkeypatch.setitem(sys.modules, "model", fork_model)
     with pytest.raises(
         ConfigError, match=r"^train/model.py defines no eval_columns\(output, batch\)"
     ):
-        task.check_fork_files(TrainConfig())
+        task.check_fork_files(RunConfig())
 
 
 def test_the_model_checks_its_own_keys_at_start_up(monkeypatch):
@@ -98,13 +109,13 @@ def test_the_model_checks_its_own_keys_at_start_up(monkeypatch):
     with pytest.raises(
         ConfigError, match=r"^n_embd must be divisible by n_head \(3\) \(got 100\)$"
     ):
-        task.check_fork_files(TrainConfig(n_embd=100, n_head=3))
+        task.check_fork_files(RunConfig(n_embd=100, n_head=3))
     fork_model = types.ModuleType("model")
     fork_model.build_model = lambda cfg: None
     fork_model.eval_columns = lambda output, batch: {}
-    fork_model.eval_metrics = lambda sums: {}
+    fork_model.eval_metrics = lambda sums, cfg: {}
     monkeypatch.setitem(sys.modules, "model", fork_model)  # a fork without check_config: none run
-    task.check_fork_files(TrainConfig(n_embd=100, n_head=3))
+    task.check_fork_files(RunConfig(n_embd=100, n_head=3))
 
 
 def write_images(folder, seed):

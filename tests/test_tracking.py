@@ -6,18 +6,20 @@ import shutil
 import pytest
 import torch
 
-from config import TrainConfig
+from blocks import flops_per_token
+from config import config_class
 from conftest import REPO
-from lm import flops_per_token
 from model import build_model
 from torch_ddp import TorchDDP
 from tracking import MetricsLogger, Throughput, peak_flops_per_gpu, wandb_init_kwargs
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 
 
 @pytest.mark.shipped
 @pytest.mark.parametrize("bias", [False, True])
 def test_flops_per_token_matches_a_hand_count(bias):
-    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, bias=bias)
+    cfg = RunConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, bias=bias)
     # b: a bias per output (linear) or per feature (norm), if any
     d, L, T, V, b = (
         8,
@@ -67,7 +69,7 @@ def test_no_mfu_or_gpu_memory_on_cpu_but_the_peak_resident_memory():
     meter = Throughput(
         samples_per_step=8,
         tokens_per_sample=64,
-        flops_per_token=1e6,
+        model=torch.nn.Linear(4, 4),
         num_processes=2,
         mixed_precision="bf16",
     )
@@ -79,7 +81,7 @@ def test_no_mfu_or_gpu_memory_on_cpu_but_the_peak_resident_memory():
 
 
 def test_logger_is_a_no_op_off_the_main_process(tmp_path, monkeypatch):
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
+    cfg = RunConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
     monkeypatch.setenv("RANK", "1")  # the view of rank 1 (on another node), without a process group
     monkeypatch.setenv("LOCAL_RANK", "1")
     log = MetricsLogger(cfg, TorchDDP(cfg))
@@ -93,7 +95,7 @@ def test_logger_is_a_no_op_off_the_main_process(tmp_path, monkeypatch):
 
 def test_wandb_arguments_come_from_config_and_never_hold_a_key(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "sk-should-not-appear")
-    cfg = TrainConfig(output_dir=str(tmp_path / "exp1"), wandb_tags="a,b", wandb_group="sweep")
+    cfg = RunConfig(output_dir=str(tmp_path / "exp1"), wandb_tags="a,b", wandb_group="sweep")
     kwargs = wandb_init_kwargs(cfg, "run123", 0)
     assert kwargs == {
         "name": "exp1",
@@ -113,7 +115,7 @@ def test_wandb_arguments_come_from_config_and_never_hold_a_key(tmp_path, monkeyp
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"))
+    cfg = RunConfig(output_dir=str(tmp_path / "run"))
     (tmp_path / "run").mkdir()
     torn = '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo'
     (tmp_path / "run" / "metrics.jsonl").write_text(torn)
@@ -218,7 +220,7 @@ def test_a_wandb_resume_through_the_offline_fallback_keeps_the_rewind(tmp_path):
             if init_kwargs["wandb"].get("mode") != "offline":
                 raise RuntimeError("no W&B server")
 
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
+    cfg = RunConfig(output_dir=str(tmp_path / "run"), tracker="wandb")
     log = MetricsLogger(cfg, Refusing())
     log.start_trackers("run123", 40)
     assert [attempt.get("mode") for attempt in attempts] == [None, None, "offline"]

@@ -1,5 +1,8 @@
-"""The training data's order and position, the same on both plumbings and at any world size.
+"""The data a run trains and evaluates on: loaded, ordered and batched, the same on both plumbings
+and at any world size.
 
+- `load_data`: the task's datasets (a mixture's, each source's), prepared by one process first,
+  and their identity; `build_batches`: the training batches and the eval loaders, on the device.
 - `EpochSampler`: which samples, in which order (a function of the seed, the epoch and the global
   batch); `data_order` picks it, or a mixture's MixtureSampler (mixture.py).
 - `TrainBatches`: the endless stream of one process's micro-batches, and its position as a
@@ -14,14 +17,96 @@ holds beyond "a map-style dataset of samples"."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
-from mixture import Concatenation, MixtureSampler
+import task
+from errors import ConfigError
+from mixture import Concatenation, MixtureSampler, build_data
 from sources import describe, source_config
+from stopping import loader_worker_options
+from streaming import stream_batches
+
+
+@dataclass
+class RunData:
+    train_set: object  # a map-style dataset, a stream, or a mixture's (mixture.py)
+    eval_sets: dict  # {source name: eval set}; one dataset's under ""
+    identity: dict  # what a resume must find unchanged (data_identity)
+
+    def first_eval_batch(self, device) -> dict:
+        """Up to two eval samples (of the first source's) as one batch, on the device: enough to
+        check the model's loss contract (task.check_loss_contract)."""
+        eval_set = next(iter(self.eval_sets.values()))
+        batch = task.collate([eval_set[i] for i in range(min(2, len(eval_set)))])
+        return {key: value.to(device) for key, value in batch.items()}
+
+
+def load_data(cfg, plumbing) -> RunData:
+    """data.py's datasets (a mixture: each source's, the train sets joined), checked to hold one
+    optimizer step."""
+    # one process fills the datasets cache and the others then read it: once per job, or once per
+    # node when each node has its own disk
+    if cfg.shared_filesystem:
+        cache_filler_goes_first = plumbing.main_process_first
+    else:
+        cache_filler_goes_first = plumbing.local_main_process_first
+    with cache_filler_goes_first():
+        train_set, eval_sets = build_data(cfg, task.build_datasets)
+    check_data_size(train_set, cfg, plumbing.num_processes)
+    return RunData(train_set, eval_sets, data_identity(cfg, train_set))
+
+
+def build_batches(cfg, plumbing, data: RunData) -> tuple:
+    """(the training batches, {source: eval loader}), prepared: each process draws its share of
+    every global batch, on the device. A micro-step draws the global batch's share of every
+    process; a stream is each process's own share (streaming.py)."""
+    global_batch = cfg.global_batch(plumbing.num_processes)
+    eval_loaders = {
+        source: plumbing.prepare(DataLoader(fast_reader(eval_set), **loader_options(cfg)))
+        for source, eval_set in data.eval_sets.items()
+    }
+    if cfg.streaming:
+        return stream_batches(data.train_set, cfg, plumbing), eval_loaders
+    # the order: a function of (seed, epoch); a mixture's also of the weights
+    sampler = data_order(cfg, data.train_set, global_batch)
+    loader = DataLoader(
+        fast_reader(data.train_set), sampler=sampler, drop_last=True, **loader_options(cfg)
+    )
+    batches = TrainBatches(plumbing.prepare(loader), sampler, global_batch // cfg.grad_accum_steps)
+    return batches, eval_loaders
+
+
+def loader_options(cfg) -> dict:
+    return {
+        "batch_size": cfg.batch_size,
+        "collate_fn": task.collate,
+        "num_workers": cfg.num_workers,
+        "pin_memory": torch.cuda.is_available(),
+        # a loader draws its worker seeds from `generator`, not from the global RNG that dropout
+        # uses
+        "generator": torch.Generator().manual_seed(cfg.seed),
+        # a preemption's signal reaches the loader workers too: they leave it to this process,
+        # which checkpoints first
+        **loader_worker_options(cfg.num_workers),
+    }
+
+
+def check_data_size(train_set, cfg, num_processes: int) -> None:
+    """A stream has no length: a share too small for one block is said when it runs dry
+    (streaming.py)."""
+    global_batch = cfg.global_batch(num_processes)
+    if cfg.streaming or len(train_set) >= global_batch:
+        return
+    raise ConfigError(
+        f"dataset: {len(train_set)} training samples is too few for one optimizer step at world size "
+        f"{num_processes} x batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} = "
+        f"{global_batch} samples"
+    )
 
 
 class EpochSampler(Sampler[int]):
@@ -208,10 +293,8 @@ def data_identity(cfg, train_set) -> dict:
 
 def fork_identity(dataset) -> str | None:
     """data.py's `identity(dataset)`, where the fork defines one (task.py); else None."""
-    import importlib
-
-    identity = getattr(importlib.import_module("data"), "identity", None)
-    return str(identity(dataset)) if identity else None
+    identity = task.data_identity(dataset)
+    return None if identity is None else str(identity)
 
 
 def stream_files(dataset: str) -> str | None:

@@ -42,9 +42,10 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from buffers import RankBuffers, ranks_keep_their_own
+from buffers import RankBuffers, ranks_keep_their_own, shared_buffers
 from errors import CheckpointError, first_line
 from hangs import patiently
+from lm import save_tokenizer
 from plumbing import collectively
 
 STEP_PREFIX = "step_"
@@ -557,7 +558,17 @@ def tied_weights(module) -> list[list[str]]:
 # ---------------------------------------------------------------- export
 
 
-def export_model(plumbing, model, output_dir: str, save_extras=None) -> Path:
+def export_model(plumbing, model, cfg) -> Path:
+    """The trained weights as model.safetensors in the run folder (this node's, for a run on object
+    storage: uploaded with the run files), with the buffers the evaluations used (BatchNorm's
+    statistics: rank 0's, or the ranks' mean; buffers.py)."""
+    with shared_buffers(model, plumbing.num_processes):
+        return write_export(
+            plumbing, model, cfg.run_dir, lambda folder: save_tokenizer(cfg, folder)
+        )
+
+
+def write_export(plumbing, model, output_dir: str, save_extras=None) -> Path:
     """The trained weights as <output_dir>/model.safetensors, written by the main process
     (collective). A sharded model is gathered whole first, in the main process's CPU memory: the
     file is the same as an unsharded run's. A Hugging Face model is saved in its own layout too

@@ -45,8 +45,9 @@ from pathlib import Path
 
 import torch
 
+from blocks import transformer_blocks
 from errors import ConfigError
-from lm import transformer_blocks
+from plumbing import is_writer
 
 CACHE_FOLDER = "compile_cache"
 MANIFEST = "MANIFEST.json"
@@ -73,6 +74,22 @@ def compile_model(plain_model: torch.nn.Module) -> None:
         blocks = [plain_model]  # no blocks declared: the whole model, one graph
     for block in blocks:
         block.compile()
+
+
+def compile_and_keep(cfg, plumbing, plain_model: torch.nn.Module) -> KeptCache | None:
+    """--compile: the model compiled block by block (compile_model), its compiled code kept in the
+    run folder and checked before any rank reads it (keep_compiled_code). The kept cache, for the
+    checkpointer to list at each save; None when nothing is compiled or the user keeps the cache."""
+    if not compile_wanted(cfg.compile):
+        return None
+    writer = is_writer(plumbing, cfg.run_dir_is_shared)
+    if cfg.shared_filesystem:
+        writer_goes_first = plumbing.main_process_first
+    else:
+        writer_goes_first = plumbing.local_main_process_first
+    kept_cache = keep_compiled_code(cfg.run_dir, writer, writer_goes_first)
+    compile_model(plain_model)  # block by block, in place
+    return kept_cache
 
 
 def keep_compiled_code(

@@ -6,12 +6,16 @@ Precedence: dataclass defaults < --config YAML < --key value flags. Every value'
 checked in `validate()`; what needs a file or the hub (a dataset, model or tokenizer name, a
 checkpoint to resume) is checked next by job.load_checked_config, still before any process group, port or
 output folder exists. A bad value is a ConfigError: one line naming the key (`error: ...`, exit code
-2). `--help` lists every key with the comment written next to it below. This module reads nothing
-but the YAML file it is given."""
+2). `--help` lists every key with the comment written next to it below. The task's own keys (the
+GPT's sizes, a classifier's image size) are declared in the fork's files, model.py's ModelConfig and
+data.py's DataConfig, and join these in `config_class()`. This module reads nothing but the YAML
+file it is given."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import inspect
 import os
 import re
@@ -24,6 +28,7 @@ import yaml
 
 from errors import ConfigError
 from sources import Source, parse_dataset
+from task import fork_settings
 
 TRACKERS = ("none", "wandb", "tensorboard")
 URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")  # output_dir on object storage: s3://, gs://, ...
@@ -101,17 +106,6 @@ class TrainConfig:
     model_weights: str = "pretrained"
     # "" = the hf_model's own (or bytes); bytes; or a Hugging Face tokenizer: hub name or folder
     tokenizer: str = ""
-    # transformer blocks
-    n_layer: int = 4
-    # attention heads; must divide n_embd
-    n_head: int = 4
-    # width of the residual stream
-    n_embd: int = 128
-    # 0.0 for pretraining, 0.1+ when fine-tuning small data
-    dropout: float = 0.0
-    # gpt: biases in its linear and norm layers, as GPT-2 has; without them (nanoGPT's default) it
-    # trains as well and 3% faster on CPU, with half the parameter tensors
-    bias: bool = False
     # torch.compile each transformer block, keeping the compiled code in the run folder for a resume
     # (compiling.py): auto = on with CUDA, off on CPU; true | false
     compile: str = "auto"
@@ -315,9 +309,6 @@ POSITIVE = (
     "batch_size",
     "grad_accum_steps",
     "block_size",
-    "n_layer",
-    "n_head",
-    "n_embd",
     "log_every",
     "eval_every",
     "keep_last",
@@ -342,7 +333,6 @@ NON_NEGATIVE = (
     "upload_timeout_s",
 )
 INTERVALS = {  # key: (low, high, as the error shows it)
-    "dropout": (0, 1, "[0, 1)"),
     "eval_fraction": (0, 1, "(0, 1)"),
     "beta1": (0, 1, "[0, 1)"),
     "beta2": (0, 1, "[0, 1)"),
@@ -393,30 +383,68 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     config_file, overrides = _split_argv(argv)
     values = _read_yaml(config_file) if config_file else {}
     values.update(overrides)
-    types = {f.name: f.type for f in fields(TrainConfig)}
+    run_config = config_class()
+    types = {f.name: f.type for f in fields(run_config)}
     typed = {}
     for key, raw in values.items():
         if key not in types:
-            close = difflib.get_close_matches(key, types, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            if key in RENAMED:
-                hint = f" (renamed {RENAMED[key]})"
-            raise ConfigError(f"unknown key '{key}'{hint}")
+            raise ConfigError(f"unknown key '{key}'{unknown_key_hint(key, types)}")
         typed[key] = _coerce(key, raw, types[key])
-    cfg = TrainConfig(**typed)
+    cfg = run_config(**typed)
     cfg.validate()
     return cfg
+
+
+def unknown_key_hint(key: str, known) -> str:
+    """Where a key went (a renamed one), or the closest known key."""
+    renamed = dict(RENAMED)
+    for settings in fork_settings():
+        renamed.update(getattr(settings, "RENAMED", {}))
+    if key in renamed:
+        return f" (renamed {renamed[key]})"
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+@functools.cache
+def config_class() -> type:
+    """The run's config: TrainConfig's keys and the fork's own, the fields of model.py's
+    ModelConfig and data.py's DataConfig (task.py finds them), as one frozen dataclass. Every key
+    is then the same: a YAML key, a --flag, a --help line, saved in config.yaml and compared on
+    resume."""
+    settings = fork_settings()
+    if not settings:
+        return TrainConfig
+    taken = {f.name: "TrainConfig" for f in fields(TrainConfig)}
+    added = []
+    for declared in settings:
+        where = f"{declared.__module__}.py's {declared.__name__}"
+        if not dataclasses.is_dataclass(declared):
+            raise ConfigError(f"train/{where} must be a @dataclass of the task's own config keys")
+        for f in fields(declared):
+            if f.name in taken:
+                raise ConfigError(
+                    f"train/{where}: key '{f.name}' is already {taken[f.name]}'s: name it otherwise"
+                )
+            if f.type not in ("int", "float", "str", "bool"):
+                raise ConfigError(
+                    f"train/{where}: key '{f.name}' must be an int, float, str or bool (got {f.type})"
+                )
+            taken[f.name] = where
+            added.append((f.name, f.type, dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass("RunConfig", added, bases=(TrainConfig,), frozen=True)
 
 
 def saved_config(path) -> TrainConfig:
     """The config a run saved (its config.yaml), unchecked: its data need not exist where the
     weights are used. Keys this version does not know are left out."""
     values = _read_yaml(str(path))
-    known = {f.name for f in fields(TrainConfig)}
+    run_config = config_class()
+    known = {f.name for f in fields(run_config)}
     values = {key: value for key, value in values.items() if key in known}
     if "dataset" in values:
         values["dataset"] = parse_dataset(values["dataset"])
-    return TrainConfig(**values)
+    return run_config(**values)
 
 
 def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
@@ -493,10 +521,30 @@ def _coerce(key: str, raw, type_name: str):
 
 
 def usage() -> str:
-    """--help text: each key with its type, default and the comment above it in TrainConfig."""
+    """--help text: each key with its type, default and the comment above it in TrainConfig, then
+    the fork's own keys (model.py's ModelConfig, data.py's DataConfig) the same way."""
+    program = (
+        os.path.relpath(sys.argv[0])
+        if sys.argv and sys.argv[0].endswith(".py")
+        else "train/main.py"
+    )
+    lines = [f"usage: {program} [--config FILE.yaml] [--key value ...]", ""]
+    for declared in (TrainConfig, *fork_settings()):
+        if declared is not TrainConfig:
+            lines += ["", f"  train/{declared.__module__}.py's {declared.__name__}:"]
+        comments = comments_above_fields(declared)
+        for f in fields(declared):
+            lines.append(
+                f"  --{f.name:<17} {f.type:<5} default {f.default!r:<24} {comments.get(f.name, '')}"
+            )
+    return "\n".join(lines)
+
+
+def comments_above_fields(declared: type) -> dict[str, str]:
+    """{key: the comment lines right above its field in the class's source}."""
     comments = {}
-    above = []  # the comment lines right above a field are its comment
-    for line in inspect.getsource(TrainConfig).splitlines():
+    above = []
+    for line in inspect.getsource(declared).splitlines():
         comment = re.match(r"^\s+# (?!----)(.*)$", line)  # not a "# ---- section" rule
         field = re.match(r"^\s+(\w+): \w+ = ", line)
         if comment:
@@ -506,17 +554,7 @@ def usage() -> str:
             above = []
         else:
             above = []
-    program = (
-        os.path.relpath(sys.argv[0])
-        if sys.argv and sys.argv[0].endswith(".py")
-        else "train/main.py"
-    )
-    lines = [f"usage: {program} [--config FILE.yaml] [--key value ...]", ""]
-    for f in fields(TrainConfig):
-        lines.append(
-            f"  --{f.name:<17} {f.type:<5} default {f.default!r:<24} {comments.get(f.name, '')}"
-        )
-    return "\n".join(lines)
+    return comments
 
 
 # ---------------------------------------------------------------- a run on object storage

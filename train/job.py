@@ -1,25 +1,22 @@
 """The job around the loop: its run folder (a fresh runs/run_NNN unless --output_dir names one),
 locked by one job at a time (flock on <output_dir>/.lock, freed by the kernel when the holder dies;
-which filesystems honour it: README), decisions every process takes together, the signals that stop
-it, and how it ends: 0 finished, 2 a refused input (config, run folder in use, checkpoint that does
-not fit), 75 preempted with a checkpoint (requeue me), 130 stopped by Ctrl-C, 1 any other failure;
-at most one `error: ...` line per job, and no process left waiting on one that failed."""
+which filesystems honour it: README), the checks every value gets before any process group starts,
+and how the job ends: 0 finished, 2 a refused input (config, run folder in use, checkpoint that
+does not fit), 75 preempted with a checkpoint (requeue me), 130 stopped by Ctrl-C, 1 any other
+failure; at most one `error: ...` line per job, and no process left waiting on one that failed.
+The signals that stop it: stopping.py."""
 
 from __future__ import annotations
 
 import atexit
 import fcntl
-import functools
 import json
-import multiprocessing
 import os
 import re
 import signal
 import sys
-import threading
 import time
 from dataclasses import replace
-from multiprocessing import context as mp_context
 from pathlib import Path
 
 import torch
@@ -34,13 +31,11 @@ from hangs import explain as explain_hang
 from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
+from stopping import Preempted, StopSignals, stop_signals
 from storage import check_output_dir, take_lease
 from task import check_fork_files
 from tracking import write_preempted_marker
 
-LAUNCHER_CHECK_S = 1.0  # how often a worker checks that its launcher is alive
-LAUNCHER_LOST = "the launcher's exit"  # a stop's cause, as a signal's name would be
-STOP_CAUSES = ("SIGTERM", "SIGUSR1", "SIGINT", LAUNCHER_LOST)
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the
 # rest.
 OTHER_RANKS_ERROR_DELAY_S = 5.0
@@ -147,170 +142,6 @@ def lock_run_folder(output_dir: str) -> None:
     )
     lock.flush()
     _held_locks.append(lock)
-
-
-# ---------------------------------------------------------------- stop signals
-
-
-class Preempted(BaseException):  # not an Exception: nothing may catch it on the way out
-    """A stop signal that arrived before the loop started: there is nothing new to checkpoint."""
-
-
-class StopSignals:
-    """SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal), Ctrl-C, and the death of the process that
-    launched this one: checkpoint and stop. During start-up, stop at once (Preempted); in the loop the ranks
-    vote at logging steps and all stop at the same step. 2nd Ctrl-C: now."""
-
-    # EX_TEMPFAIL, "try again later": stopped early with a checkpoint, requeue me
-    PREEMPTED_EXIT_CODE = 75
-    INTERRUPTED_EXIT_CODE = 130  # Ctrl-C: stopped with a checkpoint, but nobody asked for a requeue
-
-    def __init__(self):
-        self.signal_name = None
-        self.loop_running = False
-
-    def install(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
-        self._watch_launcher()
-
-    def _watch_launcher(self) -> None:
-        """A launcher (accelerate launch, torchrun, mp.spawn, a shell) that dies without stopping its workers
-        (kill -9, the OOM killer, a closed terminal) leaves them running on their own, in sessions of their
-        own, holding the run folder's lock and the GPUs. Each worker checks once a second that its parent is
-        still the process that started it; when it is not, it stops as on SIGTERM: a checkpoint at the next
-        logging step, taken by all ranks together, then exit 75. (Under --max_restarts the agent is alive
-        and restarts the workers itself; under SLURM, slurmstepd is the parent and ends the step.)"""
-        launcher = os.getppid()
-        if launcher == 1:  # started by init (a container's entry point): nothing to watch
-            return
-
-        def watch():
-            while os.getppid() == launcher:
-                time.sleep(LAUNCHER_CHECK_S)
-            self.signal_name = self.signal_name or LAUNCHER_LOST
-            os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, like any stop
-
-        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-
-    def _on_signal(self, signum, _frame) -> None:
-        if signum == signal.SIGINT and self.signal_name == "SIGINT":
-            raise KeyboardInterrupt  # the second Ctrl-C
-        self.signal_name = self.signal_name or signal.Signals(signum).name
-        if not self.loop_running:
-            raise Preempted(self.signal_name)
-
-    def requested(self, plumbing) -> bool:
-        """The vote, at a logging step: whether any rank got a stop, and which (a rank that got
-        none takes the first rank's cause, so that all say and exit alike)."""
-        votes = torch.zeros(len(STOP_CAUSES), device=plumbing.device)
-        if self.signal_name is not None:
-            votes[STOP_CAUSES.index(self.signal_name)] = 1
-        causes = plumbing.reduce(votes, "sum").tolist()  # collective, and a CPU-GPU sync
-        if not any(causes):
-            return False
-        first_cause = next(cause for cause, count in zip(STOP_CAUSES, causes, strict=True) if count)
-        self.signal_name = self.signal_name or first_cause
-        return True
-
-    @property
-    def exit_code(self) -> int:
-        return (
-            self.INTERRUPTED_EXIT_CODE if self.signal_name == "SIGINT" else self.PREEMPTED_EXIT_CODE
-        )
-
-
-stop_signals = StopSignals()
-
-
-# ---------------------------------------------------------------- DataLoader workers leave the stops to it
-
-# what every process of a job may be sent: its training processes handle them, their loader workers not
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-
-
-def loader_worker_options(num_workers: int) -> dict:
-    """The DataLoader options that keep a stop signal from killing the loader workers.
-
-    A preemption signals every process of a worker's group, its DataLoader workers included: torch
-    elastic (accelerate launch, torchrun) passes SIGTERM to each worker's process group, SLURM
-    signals every process of the step, Ctrl-C the terminal's foreground group. A loader worker dies
-    of it (torch's SIGTERM handler in a worker dies on any sender but its parent), and the training
-    process then fails on "DataLoader worker is killed by signal" before it reaches the checkpoint
-    the signal asked for: everything since the last checkpoint is lost. So each worker starts with
-    the stop signals blocked (until its init below, whatever the start method) and leaves them to
-    the training process, which checkpoints, stops, and ends its workers itself."""
-    if not num_workers:
-        return {}  # no worker processes (and DataLoader refuses a context without them)
-    method = multiprocessing.get_start_method(allow_none=True)
-    method = method or multiprocessing.get_all_start_methods()[0]  # the default one
-    # this process: a worker's parent under fork and spawn, not under forkserver
-    trainer = os.getpid()
-    return {
-        "multiprocessing_context": _CONTEXTS[method](),
-        "worker_init_fn": functools.partial(loader_worker_leaves_stops_to_its_trainer, trainer),
-    }
-
-
-def loader_worker_leaves_stops_to_its_trainer(trainer: int, worker_id: int) -> None:
-    """A loader worker's `worker_init_fn`: ignore SIGINT and SIGUSR1, and take a SIGTERM from the
-    training process only (torch ends a worker that does not finish with one, and so does
-    multiprocessing at the training process's exit)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a pending one is dropped
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    # Blocked, SIGTERM stays pending until the thread below takes it and reads who sent it (a
-    # Python handler is not told).
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(
-        target=_end_on_sigterm_from, args=(trainer,), name="sigterm-filter", daemon=True
-    ).start()
-
-
-def _end_on_sigterm_from(trainer: int) -> None:
-    while True:
-        sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
-        if sender == trainer:
-            os._exit(0)  # as torch's handler does: the trainer is shutting its workers down
-
-
-class _StartsWithStopsBlocked:
-    """A worker process starts with the stop signals blocked, which it inherits (fork, spawn) until
-    its init takes them over: one that comes while it starts (seconds, under spawn) waits for it.
-    They are held in this process only while it starts the worker, then delivered as usual."""
-
-    def start(self):
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            super().start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-class _ForkProcess(_StartsWithStopsBlocked, mp_context.ForkProcess):
-    pass
-
-
-class _SpawnProcess(_StartsWithStopsBlocked, mp_context.SpawnProcess):
-    pass
-
-
-class _ForkServerProcess(_StartsWithStopsBlocked, mp_context.ForkServerProcess):
-    pass
-
-
-class _ForkContext(mp_context.ForkContext):
-    Process = _ForkProcess
-
-
-class _SpawnContext(mp_context.SpawnContext):
-    Process = _SpawnProcess
-
-
-class _ForkServerContext(mp_context.ForkServerContext):
-    Process = _ForkServerProcess
-
-
-_CONTEXTS = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
 
 
 # ---------------------------------------------------------------- how a job ends: one exit code, at most one line

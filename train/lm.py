@@ -4,9 +4,8 @@ A causal LM's `model(**batch)` returns an object with `.loss` (the mean next-tok
 on) and `.logits` (batch, time, vocab), as Hugging Face's models do. Around that, this module keeps
 the LM's answers to what the template asks of a task (task.py):
     - the next-token loss (`causal_lm_loss`), the per-sample evaluation columns (`eval_columns`,
-      per token) and the metrics from their sums (`eval_metrics`: loss, accuracy, perplexity);
-    - what a sample is worth: `tokens_per_sample` (a packed block), FLOPs per token for MFU;
-    - finding the transformer blocks (`_no_split_modules`) for FSDP and activation checkpointing;
+      per token: `token_columns`) and the metrics from their sums (`token_metrics`: loss, accuracy,
+      perplexity);
     - tokenizers (`--tokenizer`: bytes, or a Hugging Face name or folder) and Hugging Face causal
       LMs (`--hf_model NAME`, which the shipped model.py's build_model builds instead of its GPT).
 Nothing here imports model.py or data.py: they import from here. What a config names (data files,
@@ -21,7 +20,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from errors import ConfigError, first_line
 
@@ -42,12 +40,6 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     per_token = per_token.view_as(targets)
     counted = (targets != -100).sum(dim=1).clamp(min=1)
     return per_token.sum(dim=1) / counted
-
-
-def eval_columns(output, batch: dict) -> dict:
-    """The causal LM's evaluation (model.py's `eval_columns`): per-sample sums over its next-token
-    predictions, `tokens`, `loss` and `accuracy`, each a float64 tensor of shape (batch,)."""
-    return token_columns(output.logits, batch["labels"])
 
 
 @torch.no_grad()
@@ -72,67 +64,14 @@ def token_columns(logits: torch.Tensor, labels: torch.Tensor, max_floats: int = 
     return {name: torch.cat(parts, dim=1).double().sum(dim=1) for name, parts in columns.items()}
 
 
-def eval_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """The causal LM's reported values (model.py's `eval_metrics`) from the eval set's column sums:
-    every column per token, and the perplexity."""
+def token_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """The causal LM's reported values (model.py's `eval_metrics`) from the eval set's sums of
+    token_columns: every column per token, and the perplexity."""
     tokens = max(sums["tokens"], 1.0)
     metrics = {name: total / tokens for name, total in sums.items() if name != "tokens"}
     # capped: a diverged run stays finite
     metrics["perplexity"] = math.exp(min(metrics["loss"], 50))
     return metrics
-
-
-def tokens_per_sample(cfg) -> int:
-    """What one training sample is worth in tokens (model.py's `tokens_per_sample`): a packed block."""
-    return cfg.block_size
-
-
-# ---------------------------------------------------------------- blocks and FLOPs
-
-
-def transformer_blocks(model: nn.Module, needed_for: str) -> list[nn.Module]:
-    """The modules whose class `model._no_split_modules` names (Hugging Face models set it; so does
-    GPT)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    # by any class in the module's MRO: once sharded, a Block is an FSDPBlock, a subclass of it
-    blocks = [
-        module
-        for module in model.modules()
-        if names & {cls.__name__ for cls in type(module).__mro__}
-    ]
-    if not blocks:
-        raise ConfigError(
-            f"model: {needed_for} works block by block, and {type(model).__name__}._no_split_modules names "
-            f"no block class of it: set it to the class of the model's repeated layer"
-        )
-    return blocks
-
-
-def checkpoint_activations(model: nn.Module) -> None:
-    """Each block keeps only its input in forward and recomputes the rest in backward (dropout masks
-    too)."""
-    for block in transformer_blocks(model, "activation_checkpointing"):
-        block.forward = recomputed_in_backward(block.forward)
-
-
-def recomputed_in_backward(forward):
-    """forward under torch.utils.checkpoint. A function, not functools.partial: torch.compile traces
-    through it (a compiled block then recomputes with its compiled code), and skips a partial of
-    checkpoint without a word, leaving the block eager."""
-
-    def checkpointed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return checkpointed_forward
-
-
-def flops_per_token(model: nn.Module) -> float:
-    """Training FLOPs per token: the model's own estimate if it has one, else 6 x parameters
-    (Kaplan)."""
-    own_estimate = getattr(model, "flops_per_token", None)
-    if callable(own_estimate):
-        return own_estimate()
-    return 6 * sum(p.numel() for p in model.parameters())
 
 
 # ---------------------------------------------------------------- tokenizers

@@ -1,25 +1,31 @@
 """The model and its task. THIS FILE IS YOURS: replace it whole with your own (README "Make it yours";
 examples/ holds an image classifier's and a text classifier's).
 
-What the rest of train/ uses of it, and nothing else (task.py checks it at start-up):
-    build_model(cfg) -> torch.nn.Module, whose forward takes the batch `collate` (data.py) makes as keyword
-        arguments and returns an object with .loss, the scalar it trains on.
-    eval_columns(output, batch) -> {name: tensor of shape (batch,)}: per-sample values, summed by the template
-        over exactly the eval set (under sharding too).
-    eval_metrics(sums) -> {name: float}: the reported metrics (logged as eval_<name>) from those sums.
-        Where one of them is "loss", it is checked at start-up against the model's .loss on an eval batch.
+What the rest of train/ uses of it, and nothing else (task.py, the seam, checks it at start-up):
+    build_model(cfg) -> torch.nn.Module, whose forward takes the batch `collate` (data.py) makes as
+        keyword arguments and returns an object with .loss, the scalar it trains on.
+    eval_columns(output, batch) -> {name: tensor of shape (batch,)}: per-sample values, summed by
+        the template over exactly the eval set (under sharding too).
+    eval_metrics(sums, cfg) -> {name: float}: the reported metrics (logged as eval_<name>) from
+        those sums. Where one of them is "loss", it is checked at start-up against the model's
+        .loss on an eval batch.
     tokens_per_sample(cfg) (optional): a sample's tokens, for tokens/s, tokens_seen and MFU.
-    check_config(cfg) (optional): the model's own checks of the config, run at start-up before anything
-        starts; raise errors.ConfigError naming the key (one line, as the template's own checks do).
-    _no_split_modules (a class attribute of the model): the names of the classes of its repeated blocks, as
-        Hugging Face models declare them. Needed only for FSDP (one shard unit per block) and
-        activation_checkpointing (recomputed block by block); a model without it trains everywhere else.
-    flops_per_token() (an optional method of the model): training FLOPs per token, for MFU; else 6 x parameters.
+    ModelConfig (optional): a dataclass of the model's own config keys, with a comment above each
+        (its --help line). They are YAML keys and --flags like the template's, read as cfg.<key>.
+    check_config(cfg) (optional): the model's own checks of the config, run at start-up before
+        anything starts; raise errors.ConfigError naming the key (one line, as the template's
+        checks do).
+    _no_split_modules (a class attribute of the model): the names of the classes of its repeated
+        blocks, as Hugging Face models declare them. Needed only for FSDP (one shard unit per
+        block) and activation_checkpointing (recomputed block by block); a model without it
+        trains everywhere else.
+    flops_per_token() (an optional method of the model): training FLOPs per token, for MFU; else
+        6 x parameters.
 
-This one is a causal language model: a small GPT-style decoder in plain torch (nanoGPT's, trimmed), or
-with --hf_model NAME a Hugging Face causal LM (a transformers AutoModelForCausalLM fits the contract as it is).
-Its evaluation, throughput and tokenizer are lm.py's (per token: loss, accuracy, perplexity). The vocabulary
-comes from the tokenizer the data uses (lm.vocab_size: bytes, or --tokenizer).
+This one is a causal language model: a small GPT-style decoder in plain torch (nanoGPT's, trimmed),
+or with --hf_model NAME a Hugging Face causal LM (a transformers AutoModelForCausalLM fits the
+contract as it is). lm.py holds the causal LM's loss, per-token evaluation and tokenizers. The
+vocabulary comes from the tokenizer the data uses (lm.vocab_size: bytes, or --tokenizer).
 """
 
 from __future__ import annotations
@@ -32,25 +38,44 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from errors import ConfigError
-
-# the causal LM's evaluation and throughput (task.py's contract): per token
-from lm import (  # noqa: F401 - the template takes them from here
+from lm import (
     causal_lm_loss,
-    eval_columns,
-    eval_metrics,
     hugging_face_model,
-    tokens_per_sample,
+    token_columns,
+    token_metrics,
     uses_hub_model,
     vocab_size,
 )
 
 
+@dataclass
+class ModelConfig:
+    """The GPT's own keys (config.py adds them to the template's)."""
+
+    # transformer blocks
+    n_layer: int = 4
+    # attention heads; must divide n_embd
+    n_head: int = 4
+    # width of the residual stream
+    n_embd: int = 128
+    # 0.0 for pretraining, 0.1+ when fine-tuning small data
+    dropout: float = 0.0
+    # biases in its linear and norm layers, as GPT-2 has; without them (nanoGPT's default) it trains
+    # as well and 3% faster on CPU, with half the parameter tensors
+    bias: bool = False
+
+
 def check_config(cfg) -> None:
-    """The GPT's own settings (the template checks only its own keys)."""
+    """The GPT's own keys (the template checks only its own)."""
+    for key in ("n_layer", "n_head", "n_embd"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0 (got {getattr(cfg, key)!r})")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"dropout must be in [0, 1) (got {cfg.dropout!r})")
     if uses_hub_model(cfg) and cfg.bias:
         raise ConfigError(
-            "bias applies to the built-in GPT only (a Hugging Face model's own config says whether it "
-            f"has biases) (got {cfg.bias!r})"
+            "bias applies to the built-in GPT only (a Hugging Face model's own config says whether "
+            f"it has biases) (got {cfg.bias!r})"
         )
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"n_embd must be divisible by n_head ({cfg.n_head}) (got {cfg.n_embd})")
@@ -70,6 +95,22 @@ def build_model(cfg) -> nn.Module:
         dropout=cfg.dropout,
         bias=cfg.bias,
     )
+
+
+def eval_columns(output, batch: dict) -> dict:
+    """Per sample, sums over its next-token predictions: tokens counted, loss, right guesses
+    (lm.token_columns; a new per-token metric is one more column there)."""
+    return token_columns(output.logits, batch["labels"])
+
+
+def eval_metrics(sums: dict, cfg) -> dict:
+    """Per token over the eval set: loss and accuracy, and the perplexity (lm.token_metrics)."""
+    return token_metrics(sums)
+
+
+def tokens_per_sample(cfg) -> int:
+    """What one training sample is worth: a packed block of block_size tokens."""
+    return cfg.block_size
 
 
 @dataclass

@@ -16,8 +16,8 @@ import math
 
 import torch
 
+from blocks import transformer_blocks
 from config import TrainConfig
-from lm import transformer_blocks
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -5,6 +5,7 @@ checkpoint.py's."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import replace
@@ -24,7 +25,7 @@ from checkpoint import (
     run_geometry,
 )
 from config import is_url
-from errors import CheckpointError, ConfigError
+from errors import CheckpointError, ConfigError, RunError
 from plumbing import collectively, is_writer
 from saving import recover_interrupted_swap
 from storage import Bucket
@@ -132,6 +133,22 @@ def newest_checkpoint(cfg) -> Path | str | None:
     if is_url(cfg.output_dir):
         return Bucket(cfg.output_dir, cfg.upload_timeout_s).newest()
     return latest_checkpoint(cfg.output_dir)
+
+
+class TrainingDiverged(RunError):
+    """The loss or the gradients went nan or inf. Stop: going on would only save broken weights."""
+
+    def __init__(self, step: int, loss: float, cfg):
+        last_checkpoint = newest_checkpoint(cfg)
+        what = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm was not finite"
+        where = (
+            f"resume from {last_checkpoint}"
+            if last_checkpoint
+            else "no checkpoint was saved; start again"
+        )
+        super().__init__(
+            f"{what} at step {step}: training diverged; {where} with a lower lr or more warmup_steps"
+        )
 
 
 def download_newest(plumbing, cfg, writer: bool, log) -> None:

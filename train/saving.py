@@ -62,10 +62,13 @@ WRITER_WAIT_AT_EXIT_S = 10.0  # bounded: a write stuck on a dead filesystem must
 
 class Checkpointer:
     """The loop's one handle on saving: save(step) at a save step, commit_if_written() at each
-    logging step, finish() before stopping. Every method is collective (all ranks, same step)."""
+    logging step, finish() before stopping. Every method is collective (all ranks, same step).
+    `kept_cache`: the compiled code kept in the run folder (compiling.KeptCache), listed at each
+    save as what that checkpoint resumes with."""
 
-    def __init__(self, plumbing, cfg, parts: dict, identity: dict, log):
+    def __init__(self, plumbing, cfg, parts: dict, identity: dict, log, kept_cache=None):
         self.plumbing = plumbing
+        self.kept_cache = kept_cache
         self.cfg = cfg
         self.parts = parts
         self.identity = identity
@@ -83,6 +86,8 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Save this step's checkpoint: written before returning, or (async_save) copied to CPU
         memory and written in the background."""
+        if self.kept_cache:  # what this checkpoint resumes with, listed for the resume's check
+            self.kept_cache.record()
         self.finish()  # at most one save in flight
         started = time.perf_counter()
         transaction = Transaction(self.plumbing, self.cfg, self.parts, step, self.identity)

@@ -21,7 +21,7 @@ import copy
 import numpy as np
 import torch
 
-import data
+import task
 from checks import unreadable_data
 from errors import ConfigError
 from mixture import apportion, spread
@@ -44,7 +44,7 @@ class StreamBatches:
         self.dataset = cfg.dataset
         self.rank = plumbing.process_index
         self.device = plumbing.device
-        self.pack = data.packer(cfg)
+        self.pack = task.packer(cfg)
         self.block_size = cfg.block_size
         self.batch_size = cfg.batch_size
         self.buffer_size = cfg.shuffle_buffer
@@ -143,7 +143,7 @@ class StreamBatches:
 def as_batch(blocks: list[np.ndarray], device) -> dict:
     """Blocks in, the model's inputs on the device out (data.py's collate)."""
     stacked = torch.from_numpy(np.stack(blocks))  # a copy: writable
-    batch = data.collate([{"input_ids": block} for block in stacked])
+    batch = task.collate([{"input_ids": block} for block in stacked])
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 

@@ -27,10 +27,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Sampler
 
+from blocks import transformer_blocks
 from config import TrainConfig
 from errors import ConfigError
 from job import exit_with_error, load_config_or_exit, run_or_exit
-from lm import transformer_blocks
 from main import train
 from plumbing import check_world_size, init_process_group
 from sharding import mesh_shape

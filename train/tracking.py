@@ -22,9 +22,12 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+import task
+from blocks import flops_per_token
 from config import TrainConfig, is_url
 from errors import first_line
-from provenance import launch_record
+from provenance import environment_info, launch_record
+from sharding import fsdp_setting
 from storage import Bucket, StoreError, store_failed
 
 PREEMPTED_MARKER = "preempted.json"
@@ -313,7 +316,7 @@ class Throughput:
         self,
         samples_per_step: int,
         tokens_per_sample: int | None,
-        flops_per_token: float,
+        model: torch.nn.Module,
         num_processes: int,
         mixed_precision: str,
     ):
@@ -323,7 +326,7 @@ class Throughput:
         peak = peak_flops_per_gpu(torch.cuda.get_device_name()) if self.on_gpu else None
         # MFU is against the bf16 tensor-core peak, so only quoted for bf16/fp16 runs; none on CPU
         self.peak_flops = peak * num_processes if peak and mixed_precision != "no" else None
-        self.flops_per_token = flops_per_token
+        self.flops_per_token = flops_per_token(model)  # the model's own estimate, or 6 x parameters
         self.restart()
 
     def seen(self, step: int) -> dict:
@@ -399,3 +402,19 @@ def _fmt(key: str, value) -> str:
     if isinstance(value, float):
         return f"{key} {value:.4g}" if abs(value) < 1e4 else f"{key} {value:,.0f}"
     return f"{key} {value}"
+
+
+def run_info(cfg: TrainConfig, plumbing, plain_model, data) -> dict:
+    """What run_info.json and the first log lines say about the run (`data`: batches.RunData)."""
+    return {
+        "output_dir": cfg.output_dir,
+        **environment_info(),
+        "processes": plumbing.num_processes,
+        "mixed_precision": plumbing.mixed_precision,
+        "fsdp": fsdp_setting(cfg),  # and where it was set: --fsdp or the accelerate config
+        "global_batch_size": cfg.global_batch(plumbing.num_processes),
+        "tokens_per_sample": task.tokens_per_sample(cfg),
+        "train_samples": "streamed" if cfg.streaming else len(data.train_set),
+        "eval_samples": sum(len(eval_set) for eval_set in data.eval_sets.values()),
+        "parameters": sum(p.numel() for p in plain_model.parameters()),
+    }

@@ -22,8 +22,8 @@ from conftest import (
     tiny_args,
     write_corpus,
 )
-from main import evaluate
 from model import build_model
+from task import evaluate
 from torch_ddp import TorchDDP
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,9 @@ def test_trains_writes_metrics_config_and_a_loadable_model(baseline):
     # strict: every tensor (tied ones are stored once)
     load_model(model, str(out / "model.safetensors"))
     loader = torch.utils.data.DataLoader(eval_set, batch_size=5, collate_fn=data.collate)
-    metrics = evaluate(model, {"": loader}, TorchDDP(cfg))  # one dataset: its eval set, unnamed
+    metrics = evaluate(
+        model, {"": loader}, TorchDDP(cfg), cfg
+    )  # one dataset: its eval set, unnamed
     assert metrics["eval_loss"] == pytest.approx(eval_rows[-1]["eval_loss"], rel=1e-5)
     assert metrics["eval_accuracy"] == pytest.approx(eval_rows[-1]["eval_accuracy"], rel=1e-5)
 

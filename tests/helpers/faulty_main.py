@@ -54,6 +54,7 @@ import job  # noqa: E402
 import main  # noqa: E402
 import resume  # noqa: E402
 import saving  # noqa: E402
+import stopping  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -70,7 +71,7 @@ def armed() -> bool:
 
 
 def inject_step_fault(step: int, action: str) -> None:
-    original = job.StopSignals.requested
+    original = stopping.StopSignals.requested
     boundaries = {"n": 0}
 
     def requested(self, plumbing):
@@ -79,7 +80,7 @@ def inject_step_fault(step: int, action: str) -> None:
             os.kill(os.getpid(), SIGNALS[action])
         return original(self, plumbing)
 
-    job.StopSignals.requested = requested
+    stopping.StopSignals.requested = requested
 
 
 def inject_save_fault(point: str, save_number: int) -> None:
@@ -201,20 +202,20 @@ def kill_at_event(n: int) -> None:
         lambda folder, name, part, plumbing, writer: writer and name == "optimizer",
     )
     saving.prune_checkpoints = counted(saving.prune_checkpoints)
-    job.StopSignals.requested = counted(job.StopSignals.requested)
+    stopping.StopSignals.requested = counted(stopping.StopSignals.requested)
     main.build_datasets = counted(main.build_datasets)
 
 
 def slow_down(seconds: float) -> None:
     import time
 
-    original = job.StopSignals.requested
+    original = stopping.StopSignals.requested
 
     def requested(self, plumbing):
         time.sleep(seconds)
         return original(self, plumbing)
 
-    job.StopSignals.requested = requested
+    stopping.StopSignals.requested = requested
 
 
 def slow_background_writes(seconds: float) -> None:
