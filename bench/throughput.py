@@ -298,7 +298,6 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     from plumbing import init_process_group
     from tracking import peak_flops_per_gpu
 
-
     cfg = load_config(train_args)
     configs = {
         name: load_config([*train_args, *(["--streaming", "true"] if name == "streaming" else [])])

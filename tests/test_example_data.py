@@ -5,6 +5,7 @@ class says so, an empty class folder is one warning line; a truncated image name
 when a DataLoader worker meets it)."""
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def example_data(name: str):
         f"{name}_data", REPO / "examples" / name / "data.py"
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -32,6 +34,8 @@ class Cfg:
     dataset_split: str = "train"
     text_column: str = "text"
     eval_fraction: float = 0.34
+    image_size: int = 32  # the image example's DataConfig
+    max_length: int = 128  # the text example's DataConfig
 
 
 def write_csv(path: Path, labels: list[str]) -> Path:

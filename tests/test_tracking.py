@@ -1,5 +1,6 @@
 """Tracking pieces in-process: the FLOPs-per-token formula, the peak table, the logger's no-op mode."""
 
+import importlib.util
 import json
 import shutil
 
@@ -227,3 +228,35 @@ def test_a_wandb_resume_through_the_offline_fallback_keeps_the_rewind(tmp_path):
     assert attempts[0]["resume_from"] == "run123?_step=40"
     assert attempts[1]["id"] == "run123" and "resume_from" not in attempts[1]
     assert attempts[2]["resume_from"] == "run123?_step=40" and "id" not in attempts[2]
+
+
+def test_the_plot_draws_what_the_task_reports_a_classifiers_accuracy_f1_and_classes(tmp_path):
+    """scripts/plot_metrics.py on a classifier's rows: samples/s (it counts no tokens), and a panel
+    for each metric its evaluation reports, per-class values together; every panel has a curve."""
+    spec = importlib.util.spec_from_file_location("plot_metrics", REPO / "scripts/plot_metrics.py")
+    plot_metrics = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_metrics)
+    rows = [
+        {"step": 10, "loss": 0.9, "lr": 1e-3, "grad_norm": 1.0, "samples_per_s": 50.0},
+        {
+            "step": 20,
+            "eval_loss": 0.7,
+            "eval_accuracy": 0.6,
+            "eval_accuracy/cat": 0.5,
+            "eval_accuracy/dog": 0.7,
+            "eval_f1_macro": 0.55,
+        },
+    ]
+    panels = dict(plot_metrics.panels_of({"run": rows}))
+    assert panels == {
+        "loss": ["loss", "eval_loss"],
+        "learning rate": ["lr"],
+        "gradient norm (before clipping)": ["grad_norm"],
+        "samples/s (all processes)": ["samples_per_s"],
+        "accuracy (eval)": ["eval_accuracy"],
+        "accuracy/<class> (eval)": ["eval_accuracy/cat", "eval_accuracy/dog"],
+        "f1_macro (eval)": ["eval_f1_macro"],
+    }
+    out = tmp_path / "curves.png"
+    plot_metrics.plot({"run": rows}, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

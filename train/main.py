@@ -182,9 +182,10 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the l
     # with the buffers (BatchNorm's statistics) the evaluations used, and the tokenizer beside a
     # Hugging Face model; on object storage, uploaded with the run files (storage.py)
     path = export_model(accelerator, model, cfg)
-    log.info(f"model: {path}")
     if cfg.eval_tasks:  # lm-evaluation-harness on the export, by the main process (harness.py)
         log.log(state.step, evaluate_export(accelerator, cfg, task.build_model))
+    # wall time, the final and best evaluation, the next commands
+    log.finished(state.step, path, samples_text=task.tokens_per_sample(cfg) is not None)
     # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
     log.close()
     return 0

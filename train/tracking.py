@@ -43,6 +43,8 @@ class MetricsLogger:
         self.metrics_file = None
         self.bar = None
         self.tracker_failed = False
+        self.started = time.monotonic()  # for the summary's wall time
+        self.evaluations: list[dict] = []  # this start's eval rows, for the summary
 
     def start(self, cfg: TrainConfig, step: int, run_info: dict) -> None:
         """Write config.yaml (the config as the resume settled it) and run_info.json; keep
@@ -138,6 +140,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        if "eval_loss" in row:
+            self.evaluations.append(row)
         self.metrics_file.write(json.dumps(row) + "\n")
         self._to_trackers(row, step)
         if self.bar is not None and row.get("loss") is not None:
@@ -159,6 +163,27 @@ class MetricsLogger:
             f"stopping at step {step} on {signal_name}, checkpoint saved: continue with "
             f"--output_dir {self.cfg.output_dir} --resume latest"
         )
+
+    def finished(self, step: int, model_path, samples_text: bool) -> None:
+        """The run's summary, once it has exported: wall time, the last and the best evaluation, where
+        the model is, and the next commands. `samples_text`: a causal LM, which scripts/sample.py
+        can write with."""
+        minutes, seconds = divmod(round(time.monotonic() - self.started), 60)
+        lines = [f"done: step {step} in {minutes} min {seconds} s"]
+        if self.evaluations:
+            last = self.evaluations[-1]
+            best = min(self.evaluations, key=lambda row: row["eval_loss"])
+            said = [_fmt(k, v) for k, v in watched(last).items() if k != "step"]
+            lines.append(f"final eval (step {last['step']}): {' | '.join(said)}")
+            lines.append(f"best eval_loss: {best['eval_loss']:.4g} at step {best['step']}")
+        run = self.cfg.output_dir
+        lines.append(f"model: {model_path}")
+        lines.append(f"curves: python scripts/plot_metrics.py {run}")
+        if samples_text:
+            lines.append(f'samples: python scripts/sample.py {run} --prompt "..."')
+        lines.append(f"train on: --output_dir {run} --resume latest --max_steps {2 * step}")
+        for line in lines:
+            self.info(line)
 
     def advance(self) -> None:
         if self.bar is not None:

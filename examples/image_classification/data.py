@@ -9,7 +9,7 @@ train/model.py (examples/README.md).
                                                          eval set; without: eval_fraction of the images
 
 Images are read through `datasets`' image folder loader (any format Pillow reads), decoded when a batch is
-read (in the DataLoader workers with --num_workers), converted to RGB, resized to IMAGE_SIZE and
+read (in the DataLoader workers with --num_workers), converted to RGB, resized to --image_size and
 normalised. No random augmentation: a sample is a function of its index, so a resume continues bitwise
 (add one seeded by the index if you need it). The image files' content is the data's identity
 (batches.data_identity): a resume on changed images is refused.
@@ -21,6 +21,7 @@ import functools
 import io
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,28 +29,62 @@ import torch
 
 from errors import ConfigError, first_line
 
-IMAGE_SIZE = 32  # pixels a side, after resizing
 MEAN, STD = 0.5, 0.25  # per channel, after scaling to [0, 1]
 SPLIT_FOLDERS = ("train", "validation", "test")  # photos/train/cat/...: the split folders
 
 
+@dataclass
+class DataConfig:
+    """The image data's own keys (the template joins them to its own: YAML, --flags, --help)."""
+
+    # pixels a side, after resizing
+    image_size: int = 32
+
+
 def build_datasets(cfg):
-    """(train, eval): map-style datasets of {"pixels": (3, IMAGE_SIZE, IMAGE_SIZE), "labels": class}."""
+    """(train, eval): map-style datasets of {"pixels": (3, image_size, image_size), "labels": class}."""
     import datasets
 
     splits = load_images(cfg)
     train = splits[cfg.dataset_split]
     held_out = next((splits[s] for s in ("validation", "test") if s in splits), None)
-    if held_out is None:  # a fixed split seed: changing `seed` must not move images between the two
-        split = train.train_test_split(test_size=cfg.eval_fraction, seed=0)
-        train, held_out = split["train"], split["test"]
     image, label = columns_of(train, cfg.dataset)
-    as_tensors = functools.partial(to_tensors, image_column=image, label_column=label)
+    if held_out is None:
+        train, held_out = hold_out(train, label, cfg.eval_fraction)
+    say_missing_classes(held_out, label)
+    as_tensors = functools.partial(
+        to_tensors, image_column=image, label_column=label, size=cfg.image_size
+    )
     # decoded here (to_tensors), so that a file that cannot be read is named
     train, held_out = (
         part.cast_column(image, datasets.Image(decode=False)) for part in (train, held_out)
     )
     return train.with_transform(as_tensors), held_out.with_transform(as_tensors)
+
+
+def hold_out(train, label: str, fraction: float) -> tuple:
+    """(train, eval): `fraction` of the images held out, every class in the same share (stratified),
+    and at least one image of each. A fixed split seed: changing `seed` must not move images
+    between the two."""
+    classes = len(train.features[label].names)
+    eval_images = max(round(fraction * len(train)), classes)
+    try:
+        split = train.train_test_split(test_size=eval_images, seed=0, stratify_by_column=label)
+    except ValueError:  # a class of one image cannot be in both: the images drawn as they come
+        split = train.train_test_split(test_size=eval_images, seed=0)
+    return split["train"], split["test"]
+
+
+def say_missing_classes(held_out, label: str) -> None:
+    """A class with no eval image has no accuracy/<class>: one warning line naming them."""
+    names = held_out.features[label].names
+    missing = sorted(set(names) - {names[index] for index in held_out[label]})
+    if missing and os.environ.get("RANK", "0") == "0":
+        print(  # noqa: T201 - the data's warning, from the first process
+            f"warning: the eval set holds no image of class {', '.join(missing)}: no "
+            "accuracy/<class> for it (add images to its validation folder, or raise eval_fraction)",
+            file=sys.stderr,
+        )
 
 
 def collate(samples: list[dict]) -> dict:
@@ -67,11 +102,11 @@ def class_names(cfg) -> list[str]:
     return list(train.features[label].names)
 
 
-def to_tensors(rows: dict, image_column: str, label_column: str) -> dict:
+def to_tensors(rows: dict, image_column: str, label_column: str, size: int) -> dict:
     """A batch of rows (datasets' transform) to float pixels, resized and normalised, and labels."""
     pixels = []
     for stored in rows[image_column]:
-        image = open_image(stored).convert("RGB").resize((IMAGE_SIZE, IMAGE_SIZE))
+        image = open_image(stored).convert("RGB").resize((size, size))
         array = np.asarray(image, dtype=np.float32) / 255.0
         pixels.append(torch.from_numpy((array - MEAN) / STD).permute(2, 0, 1))
     return {"pixels": pixels, "labels": list(rows[label_column])}

@@ -1,7 +1,8 @@
 """An image classifier: a small CNN with BatchNorm, and its task (accuracy, per-class accuracy). Copy this
 file over train/model.py, and its data.py over train/data.py (examples/README.md).
 
-What the template uses of it (train/task.py): build_model, the model's .loss, eval_columns, eval_metrics.
+What the template uses of it (train/task.py): build_model, the model's .loss, eval_columns, eval_metrics, and
+ModelConfig, its own config keys (--hidden_width, --dropout).
 No tokens_per_sample: throughput is samples/s. No _no_split_modules: there is no repeated block to shard,
 so FSDP and activation_checkpointing are refused in one line; DDP and everything else work.
 
@@ -15,20 +16,39 @@ statistics, checkpointed and restored with its rank, and the evaluation and the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from data import class_names
+from errors import ConfigError
 
-CLASSES: list[str] = []  # the class names, in label order: set by build_model, read by eval_metrics
+
+@dataclass
+class ModelConfig:
+    """The classifier's own keys (the template joins them to its own: YAML, --flags, --help)."""
+
+    # width of the hidden layer between the convolutions and the class scores
+    hidden_width: int = 128
+    # dropout before the last layer; 0.0 = none
+    dropout: float = 0.0
+    # an earlier version's names for these keys
+    RENAMED: ClassVar[dict] = {"n_embd": "hidden_width: the hidden layer's width"}
+
+
+def check_config(cfg) -> None:
+    if cfg.hidden_width <= 0:
+        raise ConfigError(f"hidden_width must be > 0 (got {cfg.hidden_width!r})")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"dropout must be in [0, 1) (got {cfg.dropout!r})")
 
 
 def build_model(cfg) -> nn.Module:
-    """The CNN, its head sized by the classes data.py finds; cfg.n_embd is the hidden layer's width."""
-    CLASSES[:] = class_names(cfg)
-    return SmallCNN(classes=len(CLASSES), width=cfg.n_embd, dropout=cfg.dropout)
+    """The CNN, its head sized by the classes data.py finds."""
+    classes = len(class_names(cfg))
+    return SmallCNN(classes=classes, width=cfg.hidden_width, dropout=cfg.dropout)
 
 
 @dataclass
@@ -84,12 +104,12 @@ def eval_columns(output, batch: dict) -> dict:
     return columns
 
 
-def eval_metrics(sums: dict) -> dict:
+def eval_metrics(sums: dict, cfg) -> dict:
     """Loss and accuracy over every eval image; accuracy/<class> over each class's (a class with no eval
     image has none)."""
     samples = max(sums["samples"], 1.0)
     metrics = {"loss": sums["loss"] / samples, "accuracy": sums["right"] / samples}
-    for index, name in enumerate(CLASSES):
+    for index, name in enumerate(class_names(cfg)):
         of_class = sums.get(f"samples_{index}", 0.0)
         if of_class:
             metrics[f"accuracy/{name}"] = sums[f"right_{index}"] / of_class

@@ -8,7 +8,7 @@ this file over train/data.py, and its model.py over train/model.py (examples/REA
     stanfordnlp/imdb, or nyu-mll/glue with --dataset_config sst2 --text_column sentence   (hub datasets)
 
 A split named validation (or test) is the eval set; without one, eval_fraction of the rows. Each text is
-tokenized once (datasets caches it), cut to block_size tokens, and padded per batch to the batch's longest,
+tokenized once (datasets caches it), cut to --max_length tokens, and padded per batch to the batch's longest,
 with an attention mask: throughput is samples/s (a padded batch's token count is not the work done).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,14 @@ LABEL_COLUMN = "label"
 BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
+@dataclass
+class DataConfig:
+    """The text data's own keys (the template joins them to its own: YAML, --flags, --help)."""
+
+    # tokens kept of each text (the rest is cut)
+    max_length: int = 128
+
+
 def build_datasets(cfg):
     """(train, eval): map-style datasets of {"input_ids": (length,), "labels": class}."""
     splits = load_texts(cfg)
@@ -37,7 +46,7 @@ def build_datasets(cfg):
         split = train.train_test_split(test_size=cfg.eval_fraction, seed=0)
         train, held_out = split["train"], split["test"]
     tokenize = functools.partial(
-        encode, tokenizer=text_tokenizer(cfg), column=cfg.text_column, max_length=cfg.block_size
+        encode, tokenizer=text_tokenizer(cfg), column=cfg.text_column, max_length=cfg.max_length
     )
     train, held_out = (
         part.map(tokenize, batched=True, remove_columns=part.column_names, desc="tokenizing")

@@ -144,7 +144,7 @@ def example_args(example: str, root: Path) -> list[str]:
             "--lr",
             3e-3,
         ]
-        data += ["--n_layer", 1, "--n_embd", 32, "--n_head", 2]
+        data += ["--layers", 1, "--hidden_width", 32, "--heads", 2]
     else:
         data = [
             "--dataset",
@@ -154,7 +154,7 @@ def example_args(example: str, root: Path) -> list[str]:
             "--lr",
             1e-2,
         ]
-        data += ["--n_layer", 1]
+        data += ["--layers", 1]
     return [str(value) for value in data]
 
 

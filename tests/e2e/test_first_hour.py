@@ -32,11 +32,20 @@ def test_the_torchrun_summary_ends_with_our_error(tmp_path, corpus):
     )
 
 
-def test_extending_a_run_keeps_the_lr_horizon(tmp_path, corpus):
+def test_extending_a_run_keeps_the_lr_horizon_and_a_run_ends_with_its_summary(tmp_path, corpus):
     run_dir = tmp_path / "run"
-    run_python(
-        tiny_args(run_dir, corpus, max_steps=20, save_every=10, warmup_steps=2), tmp_path
+    first = run_python(
+        tiny_args(run_dir, corpus, max_steps=20, save_every=10, eval_every=5, warmup_steps=2),
+        tmp_path,
     ).check()
+    # the summary: the last and the best evaluation as metrics.jsonl has them, the next commands
+    evaluations = [row for row in read_metrics(run_dir) if "eval_loss" in row]
+    best = min(evaluations, key=lambda row: row["eval_loss"])
+    summary = first.output[first.output.index("done: step 20 in ") :]
+    assert f"final eval (step 20): eval_loss {evaluations[-1]['eval_loss']:.4g}" in summary
+    assert f"best eval_loss: {best['eval_loss']:.4g} at step {best['step']}" in summary
+    assert f"model: {run_dir / 'model.safetensors'}" in summary
+    assert f"--output_dir {run_dir} --resume latest --max_steps 40" in summary
     # (a max_steps below the checkpoint's step is refused: tests/test_checkpoint.py)
     extended = run_python(
         [*tiny_args(run_dir, corpus, max_steps=30, warmup_steps=2), "--resume", "latest"], tmp_path

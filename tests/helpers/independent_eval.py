@@ -51,14 +51,15 @@ metrics = {
     "loss": sum(sample_losses) / len(labels),
     "accuracy": sum(p == y for p, y in pairs) / len(labels),
 }
-for index, name in enumerate(task.CLASSES):
+classes = data.class_names(cfg)  # both classifiers' data.py name their classes
+for index, name in enumerate(classes):
     of_class = [p == y for p, y in pairs if y == index]
     if of_class:
         metrics[f"accuracy/{name}"] = sum(of_class) / len(of_class)
     tp = sum(p == index and y == index for p, y in pairs)
     wrong = sum((p == index) != (y == index) for p, y in pairs)
     metrics[f"f1/{name}"] = 2 * tp / (2 * tp + wrong) if tp + wrong else 0.0
-f1s = [metrics[f"f1/{name}"] for name in task.CLASSES]
+f1s = [metrics[f"f1/{name}"] for name in classes]
 metrics["f1_macro"] = sum(f1s) / len(f1s)
 if len(f1s) == 2:
     metrics["f1"] = f1s[1]
