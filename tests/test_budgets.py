@@ -12,7 +12,9 @@ for the free-space check before a save. config.py 320 -> 360 when the task becam
 fork's own keys moved into its files (model.py's ModelConfig, data.py's DataConfig) and config.py learned to join
 them to the template's: the run's keys, their help and their types in one place. storage.py
 320 -> 400 when a store failing under a run got its deadlines, the words for each failure and the run's lease
-(one job per URL): what only the bucket's side of the run folder knows.
+(one job per URL): what only the bucket's side of the run folder knows; 420 when it became a RunFolder
+(BucketFolder: the newest checkpoint, the lease and the run files' upload behind the same interface as a
+disk's). tracking.py 320 -> 340 when it took run_info from main.py's set-up and a run's closing summary.
 """
 
 import ast
@@ -24,13 +26,15 @@ from conftest import REPO
 TRAIN = REPO / "train"
 MODULE_BUDGET = 320  # code lines, any module of train/ but these:
 BUDGETS = {
-    "main.py": 300,  # the loop's file reads in one sitting
+    "main.py": 200,  # the loop's file reads in one sitting: its set-up a few finished calls
     # the format in both directions: four kinds of part, the transaction with its free-space check, export
     "checkpoint.py": 500,
     # every key of the template's, their checks, and the fork's own joined to them
     "config.py": 380,
     # the bucket's side of the run folder: upload, commit, download, deadlines, failures, the lease
-    "storage.py": 400,
+    "storage.py": 420,
+    # what a run reports: metrics.jsonl, console lines and summary, trackers, throughput, run_info
+    "tracking.py": 340,
 }
 LOOP_BODY = 65  # code lines of train()'s `while` loop
 FUNCTION = 50  # code lines of any other function

@@ -15,11 +15,12 @@ import checkpoint
 import resume as resuming
 import saving
 from batches import EpochSampler, TrainBatches
-from checkpoint import TrainState, latest_checkpoint
+from checkpoint import TrainState
 from config import config_class
 from errors import CheckpointError, ConfigError, RunError
 from model import build_model
 from optim import build_optimizer
+from run_folder import RunFolder
 from torch_ddp import TorchDDP
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
@@ -75,7 +76,7 @@ class Job:
     def save(self, step, **state):
         self.state.load_state_dict({"step": step, **state})
         self.data.micro_batches = step * self.cfg.grad_accum_steps
-        return saving.save_checkpoint(self.plumbing, self.cfg, self.parts, step, IDENTITY)
+        return save_checkpoint(self.plumbing, self.cfg, self.parts, step, IDENTITY)
 
     def load(self, folder, identity=IDENTITY):
         problem = checkpoint.checkpoint_problem(folder)
@@ -112,7 +113,7 @@ def test_round_trip_restores_every_part(tmp_path):
     torch.manual_seed(42)
     path = job.save(7, tracker_run_id="abc123", lr_decay_steps=30)
     expected_draw = torch.rand(3)
-    assert path.name == "step_00000007" and latest_checkpoint(job.cfg.output_dir) == path
+    assert path.name == "step_00000007" and RunFolder(job.cfg.output_dir).newest() == path
     manifest = json.loads((path / "manifest.json").read_text())
     assert set(manifest["files"]) == {
         "model.safetensors",
@@ -165,7 +166,7 @@ def test_a_part_a_fork_registers_is_saved_restored_bitwise_and_pruned_with_the_r
                 p.mul_(0.5)
         ema.update_parameters(job.model)
         job.save(step)
-    root = checkpoint.checkpoint_root(job.cfg.output_dir)
+    root = RunFolder(job.cfg.output_dir).path("checkpoints")
     assert sorted(p.name for p in root.iterdir()) == [
         "step_00000004",
         "step_00000006",
@@ -228,11 +229,11 @@ def test_keep_last_prunes_after_commit_and_latest_ignores_partial_folders(tmp_pa
     job = Job(tmp_path)
     for step in (2, 4, 6):
         job.save(step)
-    root = checkpoint.checkpoint_root(job.cfg.output_dir)
+    root = RunFolder(job.cfg.output_dir).path("checkpoints")
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
     (root / "step_00000008.tmp").mkdir()  # a crash mid-save
     (root / "step_00000009").mkdir()  # a folder without a manifest
-    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000006"
+    assert RunFolder(job.cfg.output_dir).newest().name == "step_00000006"
     job.save(10)
     assert sorted(p.name for p in root.iterdir()) == [
         "step_00000006",
@@ -262,7 +263,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     ):
         job.save(2)
     assert [p.name for p in good.parent.iterdir()] == [good.name]
-    assert latest_checkpoint(job.cfg.output_dir) == good
+    assert RunFolder(job.cfg.output_dir).newest() == good
 
 
 def test_a_save_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
@@ -381,10 +382,12 @@ def test_a_crash_between_the_two_renames_of_a_resave_leaves_a_resumable_folder(t
     # the first rename happened, then the crash
     os.replace(path, path.with_name(path.name + ".stale"))
     # .stale is never parsed as a step
-    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000004"
+    assert RunFolder(job.cfg.output_dir).newest().name == "step_00000004"
     job.set(resume="latest")
     state, _ = job.resume()
-    assert state.step == 8 and latest_checkpoint(job.cfg.output_dir) == path  # put back at start-up
+    assert (
+        state.step == 8 and RunFolder(job.cfg.output_dir).newest() == path
+    )  # put back at start-up
     job.save(12)  # pruning copes too
 
 
@@ -448,7 +451,7 @@ def test_any_failure_on_a_process_fails_the_save_everywhere(tmp_path, monkeypatc
     monkeypatch.setattr(checkpoint.ProcessRNG, "state_dict", broken_state)
     with pytest.raises(RunError, match="cannot pickle"):
         job.save(1)
-    root = checkpoint.checkpoint_root(job.cfg.output_dir)
+    root = RunFolder(job.cfg.output_dir).path("checkpoints")
     assert not root.exists() or not list(root.iterdir())
 
 
@@ -499,3 +502,10 @@ def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path):
     ):
         Job(tmp_path).resume()  # resume: "" (a new run) into a folder that has one
     assert Job(tmp_path, resume="latest").resume()[0].step == 4
+
+
+def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict):
+    """One save as the loop's Checkpointer makes it, written before returning: its folder."""
+    transaction = saving.Transaction(plumbing, cfg, parts, step, identity)
+    transaction.run()
+    return transaction.final

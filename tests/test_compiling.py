@@ -8,7 +8,10 @@ from contextlib import nullcontext
 import pytest
 from torch._dynamo.utils import counters
 
-from compiling import CACHE_FOLDER, MANIFEST, KeptCache, keep_compiled_code
+from compiling import MANIFEST, KeptCache, keep_compiled_code
+from run_folder import LAYOUT
+
+CACHE_FOLDER = LAYOUT["compile_cache"]
 
 LIBRARY = "ab/cab123.main.so"
 GRAPH = "fxgraph/x1/fx1/entry"
@@ -119,7 +122,7 @@ def test_a_damaged_cache_is_set_aside_with_one_warning_and_compiles_cold(
     older.parent.mkdir(parents=True)
     older.write_bytes(b"from an earlier damage")
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    kept = keep_compiled_code(str(tmp_path), writer=True, writer_goes_first=nullcontext)
+    kept = keep_compiled_code(tmp_path / CACHE_FOLDER, writer=True, writer_goes_first=nullcontext)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"warning: the kept compile cache {folder} is damaged ({said}")
@@ -136,8 +139,11 @@ def test_only_the_writer_checks_and_a_folder_the_user_chose_is_left_alone(
     folder = written_cache(tmp_path)
     cut_short(folder)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    keep_compiled_code(str(tmp_path), writer=False, writer_goes_first=nullcontext)
+    keep_compiled_code(tmp_path / CACHE_FOLDER, writer=False, writer_goes_first=nullcontext)
     assert folder.exists() and not capsys.readouterr().err
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert keep_compiled_code(str(tmp_path), writer=True, writer_goes_first=nullcontext) is None
+    assert (
+        keep_compiled_code(tmp_path / CACHE_FOLDER, writer=True, writer_goes_first=nullcontext)
+        is None
+    )
     assert folder.exists() and not capsys.readouterr().err

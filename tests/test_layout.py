@@ -76,6 +76,7 @@ def test_main_imports_from_few_modules():
 def test_the_error_vocabulary_and_the_config_import_nothing_of_the_template_above_them():
     assert imports_of("errors") == {}
     # config.py reads the fork's own keys through the seam, which imports nothing above it
-    assert set(imports_of("config")) == {"errors", "sources", "task"}
+    assert set(imports_of("config")) == {"errors", "sources", "task", "run_folder"}
+    assert set(imports_of("run_folder")) == {"errors"}
     assert set(imports_of("task")) == {"errors", "blocks", "buffers"}
     assert set(imports_of("sources")) == {"errors"}

@@ -9,8 +9,8 @@ import torch
 
 import checkpoint
 import saving
-from checkpoint import committed_checkpoints, latest_checkpoint
 from errors import RunError
+from run_folder import RunFolder
 from test_checkpoint import Job, Log
 
 
@@ -38,7 +38,7 @@ def test_a_background_save_holds_the_state_of_its_step_while_training_changes_it
         state["exp_avg"].add_(1.0)
     job.state.step = 2
     folder = saver.finish()
-    assert folder == latest_checkpoint(job.cfg.output_dir)
+    assert folder == RunFolder(job.cfg.output_dir).newest()
     saved = weights_of(folder)
     for name, tensor in saved.items():
         assert torch.equal(tensor, at_save[name]), name
@@ -58,7 +58,7 @@ def test_a_background_save_equals_the_same_save_in_the_loop(tmp_path):
     saver.save(3)
     in_background = saver.finish()
     loop_cfg = replace(job.cfg, output_dir=str(tmp_path / "in_the_loop"))
-    in_the_loop = saving.save_checkpoint(job.plumbing, loop_cfg, job.parts, 3, {"seed": 1})
+    in_the_loop = save_checkpoint(job.plumbing, loop_cfg, job.parts, 3, {"seed": 1})
     assert sorted(p.name for p in in_background.iterdir()) == sorted(
         p.name for p in in_the_loop.iterdir()
     )
@@ -78,11 +78,11 @@ def test_at_most_one_save_in_flight_and_a_failed_write_keeps_the_previous_checkp
     saver = background(job)
     saver.save(1)
     saver.save(2)  # publishes step 1 first
-    assert [p.name for p in committed_checkpoints(job.cfg.output_dir)] == ["step_00000001"]
+    assert [p.name for p in RunFolder(job.cfg.output_dir).checkpoints()] == ["step_00000001"]
     saver.in_flight.thread.join()  # the write of step 2 has finished
     saver.commit_if_written()  # at a logging step: published
     assert saver.in_flight is None
-    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000002"
+    assert RunFolder(job.cfg.output_dir).newest().name == "step_00000002"
 
     def full_disk(*args):
         raise OSError(28, "No space left on device")
@@ -95,7 +95,7 @@ def test_at_most_one_save_in_flight_and_a_failed_write_keeps_the_previous_checkp
     saver.save(3)  # the copy to CPU memory succeeds; the write in the background fails
     with pytest.raises(RunError, match="no space left on .*: the checkpoint of step 3 was not"):
         saver.finish()
-    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000002"
+    assert RunFolder(job.cfg.output_dir).newest().name == "step_00000002"
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
 
 
@@ -114,7 +114,7 @@ def test_a_background_save_checks_the_free_space_before_it_copies_anything(tmp_p
     with pytest.raises(RunError, match="not enough space on .* for the checkpoint of step 2: "):
         saver.save(2)
     assert not snapshots  # nothing was copied
-    assert latest_checkpoint(job.cfg.output_dir).name == "step_00000001"
+    assert RunFolder(job.cfg.output_dir).newest().name == "step_00000001"
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
 
 
@@ -160,3 +160,10 @@ def test_a_full_disk_is_recognised_by_the_error_whatever_space_is_free_afterward
     assert saving.out_of_space(chained, tmp_path)
     assert saving.out_of_space(said_so, tmp_path)
     assert not saving.out_of_space(RuntimeError("unexpected pos 704 vs 598"), tmp_path)
+
+
+def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict):
+    """One save as the loop's Checkpointer makes it, written before returning: its folder."""
+    transaction = saving.Transaction(plumbing, cfg, parts, step, identity)
+    transaction.run()
+    return transaction.final

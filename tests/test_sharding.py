@@ -128,7 +128,7 @@ def test_a_sharded_checkpoint_round_trips_bitwise_inside_the_commit_protocol(tmp
         parts["optimizer"], checkpoint.Sharded
     )
     state.step = 1
-    folder = saving.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
+    folder = save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
     saved = snapshot(model, optimizer)
     files = json.loads((folder / "manifest.json").read_text())["files"]
     # each a torch.distributed.checkpoint folder, every file checksummed
@@ -155,7 +155,7 @@ def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_pat
     parts = checkpoint.checkpoint_parts(
         plumbing, model=model, optimizer=optimizer, train_state=TrainState()
     )
-    sharded = saving.save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
+    sharded = save_checkpoint(plumbing, cfg, parts, 1, IDENTITY)
     unsharded_cfg = cfg_for(tmp_path / "b")
     plain = TorchDDP(unsharded_cfg)
     plain_model = build_model(unsharded_cfg)
@@ -170,7 +170,7 @@ def test_sharded_and_unsharded_checkpoints_refuse_each_other_in_one_line(tmp_pat
     ) as refused:
         resuming.resume_from(plain, unsharded_cfg, sharded, plain_parts, IDENTITY)
     assert "\n" not in str(refused.value)
-    unsharded = saving.save_checkpoint(plain, unsharded_cfg, plain_parts, 1, IDENTITY)
+    unsharded = save_checkpoint(plain, unsharded_cfg, plain_parts, 1, IDENTITY)
     with pytest.raises(CheckpointError, match="holds model unsharded and this run's is sharded"):
         resuming.resume_from(plumbing, cfg, unsharded, parts, IDENTITY)
 
@@ -346,3 +346,10 @@ def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     build_accelerator(cfg_for(tmp_path))
     assert built["fsdp_plugin"] is None  # fp32 throughout: accelerate's own plugin
+
+
+def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict):
+    """One save as the loop's Checkpointer makes it, written before returning: its folder."""
+    transaction = saving.Transaction(plumbing, cfg, parts, step, identity)
+    transaction.run()
+    return transaction.final

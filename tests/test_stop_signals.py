@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import job
 import stopping
 from conftest import REPO
 
@@ -103,8 +104,33 @@ def test_a_loader_worker_killed_from_outside_is_one_line_and_exit_1(tmp_path):
     )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1, result.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("error: DataLoader worker (pid"), lines
-    assert "out-of-memory killer" in lines[0] and "--resume latest" in lines[0]
+    # torch's RuntimeError ("DataLoader worker (pid N) is killed by signal"), or under load the reset
+    # of the connection that hands the batch over first: the same line
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "a data loader worker died, most often of the out-of-memory killer" in lines[0], lines
+    assert "--resume latest" in lines[0]
+
+
+def test_a_reset_connection_inside_the_loader_is_a_dead_worker_and_elsewhere_an_oserror():
+    """What the training process meets when the worker dies while handing a batch over."""
+
+    def raised_in(filename: str) -> ConnectionResetError:
+        code = compile(
+            "raise ConnectionResetError(104, 'Connection reset by peer')", filename, "exec"
+        )
+        try:
+            exec(code)
+        except ConnectionResetError as e:
+            return e
+
+    inside = raised_in(os.path.join("site-packages", "torch", "utils", "data", "dataloader.py"))
+    line = str(job.loader_connection_lost(inside))
+    assert line.startswith(
+        "a DataLoader worker's connection was reset ([Errno 104] Connection reset"
+    )
+    assert "a data loader worker died" in line
+    assert job.loader_connection_lost(raised_in("train/storage.py")) is None  # a store's, say
+    assert job.loader_connection_lost(OSError(28, "No space left on device")) is None
 
 
 RAISED_AGAIN = {

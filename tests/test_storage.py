@@ -16,6 +16,7 @@ import storage
 from checkpoint import MANIFEST
 from config import config_class
 from errors import ConfigError, RunError
+from run_folder import RunFolder
 from saving import Checkpointer
 from test_checkpoint import Job, Log, same_tensors
 
@@ -148,10 +149,10 @@ def test_the_start_up_check_names_the_missing_package_or_the_bad_url_in_one_line
 def test_the_staging_folder_is_named_after_the_url_unless_given():
     cfg = RunConfig(output_dir="s3://bucket/team/run")
     assert cfg.run_dir.endswith("/train-staging/s3/bucket/team/run")
-    assert not cfg.run_dir_is_shared  # each node stages its own
+    assert not RunFolder.of(cfg).shared  # each node stages its own
     assert RunConfig(output_dir="s3://b/run", staging_dir="/scratch/run").run_dir == "/scratch/run"
     local = RunConfig(output_dir="/runs/a")
-    assert local.run_dir == "/runs/a" and local.run_dir_is_shared
+    assert local.run_dir == "/runs/a" and RunFolder.of(local).shared
 
 
 @pytest.mark.skipif(importlib.util.find_spec("s3fs") is None, reason="pip install s3fs")

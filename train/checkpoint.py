@@ -30,7 +30,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass, fields
@@ -47,11 +46,7 @@ from errors import CheckpointError, first_line
 from hangs import patiently
 from lm import save_tokenizer
 from plumbing import collectively
-
-STEP_PREFIX = "step_"
-# not step_N.tmp (being written) nor step_N.stale (being replaced)
-COMMITTED_NAME = re.compile(r"step_\d{8}")
-MANIFEST = "manifest.json"
+from run_folder import LAYOUT, MANIFEST
 
 
 @dataclass
@@ -397,32 +392,6 @@ def sharding_mismatch(folder: Path, name: str, saved: str, now: str) -> Checkpoi
     )
 
 
-# ---------------------------------------------------------------- where checkpoints are
-
-
-def checkpoint_root(output_dir: str) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def committed_checkpoints(output_dir: str) -> list[Path]:
-    """Complete checkpoints, oldest first. A folder without a manifest (a crash mid-save) is
-    ignored."""
-    found = [
-        path
-        for path in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*")
-        if COMMITTED_NAME.fullmatch(path.name) and (path / MANIFEST).is_file()
-    ]
-    return sorted(found)  # zero-padded step numbers sort as text
-
-
-def latest_checkpoint(output_dir: str) -> Path | None:
-    return next(reversed(committed_checkpoints(output_dir)), None)
-
-
-def step_of(checkpoint: Path) -> int:
-    return int(checkpoint.name[len(STEP_PREFIX) :])
-
-
 # ---------------------------------------------------------------- what a manifest records
 
 
@@ -574,7 +543,7 @@ def write_export(plumbing, model, output_dir: str, save_extras=None) -> Path:
     file is the same as an unsharded run's. A Hugging Face model is saved in its own layout too
     (config.json beside it), and `save_extras(folder)` adds files to it (its tokenizer):
     from_pretrained(output_dir) loads both."""
-    path = Path(output_dir) / "model.safetensors"
+    path = Path(output_dir) / LAYOUT["export"]
     tmp = path.with_name(path.name + ".tmp")
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
     weights = module

@@ -48,8 +48,8 @@ import torch
 from blocks import transformer_blocks
 from errors import ConfigError
 from plumbing import is_writer
+from run_folder import RunFolder
 
-CACHE_FOLDER = "compile_cache"
 MANIFEST = "MANIFEST.json"
 SET_ASIDE_SUFFIX = ".damaged"
 # inductor's lock files, and its files being written (".<pid>.<thread>.tmp", then renamed)
@@ -82,18 +82,19 @@ def compile_and_keep(cfg, plumbing, plain_model: torch.nn.Module) -> KeptCache |
     checkpointer to list at each save; None when nothing is compiled or the user keeps the cache."""
     if not compile_wanted(cfg.compile):
         return None
-    writer = is_writer(plumbing, cfg.run_dir_is_shared)
+    folder = RunFolder.of(cfg)
+    writer = is_writer(plumbing, folder.shared)
     if cfg.shared_filesystem:
         writer_goes_first = plumbing.main_process_first
     else:
         writer_goes_first = plumbing.local_main_process_first
-    kept_cache = keep_compiled_code(cfg.run_dir, writer, writer_goes_first)
+    kept_cache = keep_compiled_code(folder.path("compile_cache"), writer, writer_goes_first)
     compile_model(plain_model)  # block by block, in place
     return kept_cache
 
 
 def keep_compiled_code(
-    output_dir: str, writer: bool, writer_goes_first: Callable[[], AbstractContextManager]
+    folder: Path, writer: bool, writer_goes_first: Callable[[], AbstractContextManager]
 ) -> KeptCache | None:
     """Point inductor's cache at the run folder, unless the user pointed it somewhere (then None).
     Read by inductor at each use, so setting it before the first compile is enough. `writer`: this
@@ -104,7 +105,7 @@ def keep_compiled_code(
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         return None
-    folder = Path(output_dir, CACHE_FOLDER).absolute()
+    folder = Path(folder).absolute()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     kept = KeptCache(folder, writer)
     with writer_goes_first():

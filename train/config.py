@@ -20,18 +20,16 @@ import inspect
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, fields
-from urllib.parse import urlsplit
 
 import yaml
 
 from errors import ConfigError
+from run_folder import RunFolder, is_url
 from sources import Source, parse_dataset
 from task import fork_settings
 
 TRACKERS = ("none", "wandb", "tensorboard")
-URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")  # output_dir on object storage: s3://, gs://, ...
 
 
 # frozen: a value is settled once (a changed value is a new config, dataclasses.replace), in
@@ -205,16 +203,8 @@ class TrainConfig:
     @property
     def run_dir(self) -> str:
         """The local folder this process writes the run in: output_dir, or for a run on object
-        storage this node's staging folder (storage.py)."""
-        if is_url(self.output_dir):
-            return staging_folder(self.output_dir, self.staging_dir)
-        return self.output_dir
-
-    @property
-    def run_dir_is_shared(self) -> bool:
-        """Whether all nodes write one run_dir (a shared filesystem), or each node its own: on
-        node-local disks, and the staging folders of a run on object storage."""
-        return self.shared_filesystem and not is_url(self.output_dir)
+        storage this node's staging folder (run_folder.RunFolder.local)."""
+        return str(RunFolder.of(self).local)
 
     @property
     def mixture(self) -> tuple[Source, ...]:
@@ -555,23 +545,3 @@ def comments_above_fields(declared: type) -> dict[str, str]:
         else:
             above = []
     return comments
-
-
-# ---------------------------------------------------------------- a run on object storage
-
-
-def is_url(output_dir: str) -> bool:
-    """Whether output_dir names object storage (any fsspec URL) rather than a folder."""
-    return bool(URL.match(output_dir))
-
-
-def staging_folder(url: str, staging_dir: str) -> str:
-    """The local folder a node writes a run on object storage in: --staging_dir, or one named after
-    the URL in the system's temporary folder. It must be this node's own: the run folder's lock
-    (job.py) refuses a second node on the same one."""
-    if staging_dir:
-        return staging_dir
-    parts = urlsplit(url)
-    return os.path.join(
-        tempfile.gettempdir(), "train-staging", parts.scheme, parts.netloc + parts.path
-    )

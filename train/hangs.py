@@ -46,18 +46,17 @@ import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from errors import first_line
+from run_folder import RunFolder
 
 ANSWER_WAIT_S = 5.0  # how long the rank that saw the failure waits for the others' notes
 # how long a rank that does not say the line waits for its launcher to stop it
 SILENT_WAIT_S = 3 * ANSWER_WAIT_S
 ALARM_CHECK_S = 0.5
-HANGS_FOLDER = "hangs"
 # a straggler is named when it costs at least this share of the job's time, and this many seconds
 # per logging window (a hiccup of a few milliseconds in a fast step is no straggler)
 STRAGGLER_COST = 0.1
@@ -185,7 +184,7 @@ class Watch:
             self.store.set(f"note/{self.rank}", encoded)
         except Exception:  # noqa: BLE001 - the store went with its node: the file still tells
             self.store_gone = True
-        folder = Path(self.cfg.run_dir) / HANGS_FOLDER
+        folder = RunFolder.of(self.cfg).path("hangs")
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank{self.rank}.json").write_text(encoded + "\n")
 
@@ -268,7 +267,7 @@ def describe(watch: Watch, error: RuntimeError) -> str:
     first = notes.get(waiting[0], watch.note)
     where = f"a collective in {first['phase']} (step {first['step']})"
     on_ranks = ", ".join(map(str, waiting))
-    folder = Path(watch.cfg.run_dir) / HANGS_FOLDER
+    folder = RunFolder.of(watch.cfg).path("hangs")
     if watch.store_gone:
         store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         return (

@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model
 
-from checkpoint import check_weights, latest_checkpoint
+from checkpoint import check_weights
 from config import saved_config
 from errors import ConfigError
 from hangs import patiently
 from lm import load_tokenizer
 from plumbing import collectively
+from run_folder import RunFolder
 
 INSTALL = "pip install -r requirements-eval.txt"
 
@@ -98,7 +99,7 @@ def run_and_checkpoint(folder: Path) -> tuple[Path, dict]:
     if folder.parent.name == "checkpoints":
         run, checkpoint = folder.parent.parent, folder
     else:
-        run, checkpoint = folder, latest_checkpoint(str(folder))
+        run, checkpoint = folder, RunFolder(str(folder)).newest()
     state_file = checkpoint / "train_state.json" if checkpoint else None
     state = json.loads(state_file.read_text()) if state_file and state_file.is_file() else {}
     return run, state

@@ -9,41 +9,44 @@ The signals that stop it: stopping.py."""
 from __future__ import annotations
 
 import atexit
-import fcntl
 import json
 import os
 import re
 import signal
 import sys
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from checkpoint import latest_checkpoint, read_manifest, run_geometry, step_of
+from checkpoint import read_manifest, run_geometry
 from checks import check_dataset_name, check_devices, check_launch, check_model_and_tokenizer
-from config import TrainConfig, is_url, load_config
+from config import TrainConfig, load_config
 from errors import CheckpointError, ConfigError, RunError, first_line, the_line
 from hangs import SILENT_WAIT_S, stop_watching
 from hangs import explain as explain_hang
 from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
 from resume import check_same_run, check_sources
+from run_folder import RunFolder, held_run_folder, step_of
 from stopping import Preempted, StopSignals, stop_signals
-from storage import check_output_dir, take_lease
+from storage import check_output_dir, open_run_folder
 from task import check_fork_files
-from tracking import write_preempted_marker
 
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the
 # rest.
 OTHER_RANKS_ERROR_DELAY_S = 5.0
 LOADER_DEATH = "DataLoader worker (pid"  # how torch's RuntimeError for a dead loader worker starts
+LOADER_DIED = (
+    "a data loader worker died, most often of the out-of-memory killer (fewer --num_workers, or "
+    "less memory per sample); the last checkpoint is intact: --resume latest"
+)
 LOADER_RAISES_TOLERATED = 64  # a dead worker's error raised again this often on the way out: exit
 RUNS_ROOT = Path("runs")
 RUN_NAME = re.compile(r"run_(\d+)")
-_held_locks = []  # open until the process exits: closing the file would release the lock
 
 
 def claim_run_folder(cfg, plumbing, identity: dict) -> TrainConfig:
@@ -60,11 +63,12 @@ def claim_run_folder(cfg, plumbing, identity: dict) -> TrainConfig:
         cfg = replace(cfg, output_dir=str(RUNS_ROOT / f"run_{int(number_everywhere.item()):03d}"))
         if cfg.resume == "latest":
             check_the_newest_run_fits(cfg, plumbing, identity)
-    writer = is_writer(plumbing, cfg.run_dir_is_shared)
+    folder = RunFolder.of(cfg)
+    writer = is_writer(plumbing, folder.shared)
 
     def lock():
         if writer:
-            lock_run_folder(cfg.run_dir)
+            folder.lock()
 
     collectively(plumbing, "locking the run folder", lock, ConfigError)
     return cfg
@@ -73,7 +77,7 @@ def claim_run_folder(cfg, plumbing, identity: dict) -> TrainConfig:
 def check_the_newest_run_fits(cfg, plumbing, identity: dict) -> None:
     """The newest run folder, picked for --resume latest, must hold a run of this geometry and data: else
     say which folder was looked at, what differs, and how to choose."""
-    newest = latest_checkpoint(cfg.output_dir)
+    newest = RunFolder.of(cfg).newest()
     if newest is None:
         return
     try:
@@ -103,47 +107,6 @@ def pick_run_number(newest: bool) -> int:
             number += 1
 
 
-def try_lock_run_folder(output_dir: str) -> bool:
-    """Whether this process holds the run folder's lock, taking it if it is free."""
-    if not _held_locks:
-        try:
-            lock_run_folder(output_dir)
-        except (ConfigError, OSError):
-            return False
-    return True
-
-
-def held_run_folder() -> str:
-    """The run folder whose lock this process holds, or ""."""
-    if not _held_locks:
-        return ""
-    return str(Path(_held_locks[0].name).parent)
-
-
-def lock_run_folder(output_dir: str) -> None:
-    """Take <output_dir>/.lock for as long as this process lives, or raise ConfigError naming the
-    holder."""
-    path = Path(output_dir) / ".lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(path, "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "a process that has not written its name yet"
-        lock.close()
-        raise ConfigError(
-            f"output_dir '{output_dir}' is in use by another job ({holder}); wait for it to end, "
-            f"or choose another output_dir"
-        ) from None
-    lock.truncate(0)
-    lock.write(
-        f"host {os.uname().nodename}, pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-    )
-    lock.flush()
-    _held_locks.append(lock)
-
-
 # ---------------------------------------------------------------- how a job ends: one exit code, at most one line
 
 
@@ -163,8 +126,9 @@ def load_checked_config(argv, lease: bool = True) -> TrainConfig:
     check_sources(cfg)  # --resume, --init_from
     # on object storage: the package it needs, the bucket
     check_output_dir(cfg.output_dir, cfg.upload_timeout_s)
-    if lease and is_url(cfg.output_dir) and os.environ.get("RANK", "0") == "0":
-        take_lease(cfg)  # one job per URL, as the lock is one per folder (storage.py)
+    if lease and os.environ.get("RANK", "0") == "0":
+        # on object storage: one job per URL, as the lock keeps one per folder (storage.py)
+        open_run_folder(cfg).take_lease()
     check_devices(cfg)  # sync_batchnorm: GPUs only
     check_launch()  # a multi-node environment that started this process alone
     # each source of a mixture, or the one dataset
@@ -218,7 +182,7 @@ def run_and_report(train_fn, cfg, make_plumbing) -> None:
     except KeyboardInterrupt:  # the second Ctrl-C: stop now, without a checkpoint
         code = StopSignals.INTERRUPTED_EXIT_CODE
     except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem
-        exit_with_error(e)
+        exit_with_error(loader_connection_lost(e) or e)
     except RuntimeError as e:
         if str(e).startswith(LOADER_DEATH):
             raise  # said by run_or_exit, out of the way of the loader's handler
@@ -239,16 +203,14 @@ def stopped_before_training(cfg, plumbing) -> int:
     """A signal during start-up: nothing new to save. Leave the requeue marker if the run folder is
     ours."""
     rank0 = plumbing.is_main_process if plumbing is not None else os.environ.get("RANK", "0") == "0"
-    output_dir = cfg.run_dir or held_run_folder()  # the folder claimed on the way, if any
+    local = cfg.run_dir or held_run_folder()  # the folder claimed on the way, if any
     preempted = stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE
-    if rank0 and output_dir and preempted and try_lock_run_folder(output_dir):
-        newest = latest_checkpoint(output_dir)
-        if newest is None:
-            write_preempted_marker(output_dir, 0, stop_signals.signal_name, None)
-        else:
-            write_preempted_marker(
-                output_dir, step_of(newest), stop_signals.signal_name, str(newest)
-            )
+    folder = RunFolder(local) if local else None
+    if rank0 and folder and preempted and folder.try_lock():
+        newest = folder.newest()
+        step = 0 if newest is None else step_of(newest)
+        checkpoint = None if newest is None else str(newest)
+        folder.mark_for_requeue(step, stop_signals.signal_name, checkpoint)
     said = f"stopped during start-up on {stop_signals.signal_name}: nothing trained yet; "
     said += "start again with --resume latest"
     print(said, file=sys.stderr)  # noqa: T201 - the job's one line
@@ -268,9 +230,20 @@ def dead_loader_worker(error: RuntimeError) -> RunError | None:
     message = first_line(error).rstrip(".")
     if not message.startswith(LOADER_DEATH):
         return None
+    return RunError(f"{message}: {LOADER_DIED}")
+
+
+def loader_connection_lost(error: OSError) -> RunError | None:
+    """A loader worker killed while it hands a batch over: the training process may meet the reset
+    of the connection that passes the batch's shared memory before torch's handler names the death
+    (seen under load). The same one line as dead_loader_worker's."""
+    if not isinstance(error, ConnectionError):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if not any(f"{os.sep}utils{os.sep}data{os.sep}" in frame.filename for frame in frames):
+        return None
     return RunError(
-        f"{message}: a data loader worker died, most often of the out-of-memory killer (fewer "
-        f"--num_workers, or less memory per sample); the last checkpoint is intact: --resume latest"
+        f"a DataLoader worker's connection was reset ({first_line(error)}): {LOADER_DIED}"
     )
 
 

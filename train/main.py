@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     run_or_exit(train, cfg, build_accelerator)
 
 
-def train(cfg: TrainConfig, accelerator: Plumbing) -> int:  # noqa: C901 - the loop: test_budgets bounds it
+def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     """THE training loop; returns the process exit code (0, or StopSignals' code after a signal).
     `accelerator`: an accelerate.Accelerator (plumbing.build_accelerator), or torch_ddp.TorchDDP;
     what is used of it is plumbing.Plumbing."""

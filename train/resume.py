@@ -16,19 +16,16 @@ import torch
 from checkpoint import (
     as_part,
     checkpoint_problem,
-    checkpoint_root,
-    committed_checkpoints,
-    latest_checkpoint,
     load_checkpoint,
     load_weights_file,
     read_manifest,
     run_geometry,
 )
-from config import is_url
 from errors import CheckpointError, ConfigError, RunError
 from plumbing import collectively, is_writer
+from run_folder import RunFolder
 from saving import recover_interrupted_swap
-from storage import Bucket
+from storage import open_run_folder
 
 
 def check_sources(cfg) -> None:
@@ -37,7 +34,7 @@ def check_sources(cfg) -> None:
         raise ConfigError(f"resume must be '', 'latest' or an existing folder (got {cfg.resume!r})")
     if cfg.require_resume and cfg.resume != "latest":
         raise ConfigError(f"require_resume needs --resume latest (got resume {cfg.resume!r})")
-    local = cfg.output_dir and not is_url(cfg.output_dir)
+    local = cfg.output_dir and not RunFolder.of(cfg).on_bucket
     if cfg.require_resume and local and not os.path.isdir(cfg.output_dir):
         raise ConfigError(
             f"output_dir '{cfg.output_dir}' does not exist, and require_resume refuses to start a "
@@ -62,30 +59,31 @@ def resume_or_start(plumbing, cfg, parts: dict, identity: dict, log):
 
 def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
     """Restore the checkpoint to resume, or start fresh (or from --init_from's weights)."""
-    writer = is_writer(plumbing, cfg.run_dir_is_shared)
+    run_folder = open_run_folder(cfg)
+    writer = is_writer(plumbing, run_folder.shared)
 
     def recover():
         if writer:
-            recover_interrupted_swap(cfg.run_dir)
+            recover_interrupted_swap(run_folder)
 
     collectively(plumbing, "recovering checkpoints", recover)
-    if not cfg.resume and newest_checkpoint(cfg) is not None:
+    if not cfg.resume and run_folder.newest() is not None:
         raise ConfigError(
             f"output_dir '{cfg.output_dir}' already holds checkpoints; pass --resume latest to continue that "
             f"run, or choose another output_dir"
         )
-    on_object_storage = is_url(cfg.output_dir) and cfg.resume == "latest"
+    on_object_storage = run_folder.on_bucket and cfg.resume == "latest"
     if on_object_storage:  # each node's writer downloads the newest intact one (storage.py)
         collectively(
             plumbing,
             f"downloading the newest checkpoint of {cfg.output_dir}",
-            lambda: download_newest(plumbing, cfg, writer, log),
+            lambda: download_newest(plumbing, run_folder, writer, log),
             CheckpointError,
         )
     folder = collectively(
         plumbing,
         "choosing the checkpoint",
-        lambda: checkpoint_to_resume(cfg, log.warn),
+        lambda: checkpoint_to_resume(cfg, run_folder, log.warn),
         CheckpointError,
     )
     if folder is not None:
@@ -101,7 +99,7 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
             collectively(
                 plumbing, "removing the downloaded checkpoint", lambda: forget(folder, writer)
             )
-            folder = Bucket(cfg.output_dir, cfg.upload_timeout_s).step_url(step)
+            folder = run_folder.bucket.step_url(step)
         log.info(f"resume: {folder} (step {step}){note}")
         return
     start_fresh(plumbing, cfg, parts, log)
@@ -128,18 +126,11 @@ def start_fresh(plumbing, cfg, parts: dict, log) -> None:
         log.info(f"init_from: weights of {source}, starting at step 0 with a fresh optimizer")
 
 
-def newest_checkpoint(cfg) -> Path | str | None:
-    """The run's newest committed checkpoint: a folder, or on object storage a URL."""
-    if is_url(cfg.output_dir):
-        return Bucket(cfg.output_dir, cfg.upload_timeout_s).newest()
-    return latest_checkpoint(cfg.output_dir)
-
-
 class TrainingDiverged(RunError):
     """The loss or the gradients went nan or inf. Stop: going on would only save broken weights."""
 
     def __init__(self, step: int, loss: float, cfg):
-        last_checkpoint = newest_checkpoint(cfg)
+        last_checkpoint = open_run_folder(cfg).newest()
         what = f"loss is {loss}" if not math.isfinite(loss) else "the gradient norm was not finite"
         where = (
             f"resume from {last_checkpoint}"
@@ -151,16 +142,15 @@ class TrainingDiverged(RunError):
         )
 
 
-def download_newest(plumbing, cfg, writer: bool, log) -> None:
+def download_newest(plumbing, run_folder, writer: bool, log) -> None:
     """A run on object storage: this node's writer downloads the newest checkpoint whose files match
     its manifest into the staging folder, where every process of the node then finds it; the main
     process also the run files, which the resumed run continues."""
     if not writer:
         return
-    bucket = Bucket(cfg.output_dir, cfg.upload_timeout_s)
-    bucket.download_newest(checkpoint_root(cfg.run_dir), log)
+    run_folder.bucket.download_newest(run_folder.path("checkpoints"), log)
     if plumbing.is_main_process:
-        bucket.download_run_files(cfg.run_dir)
+        run_folder.bucket.download_run_files(str(run_folder.local))
 
 
 def forget(downloaded: Path, writer: bool) -> None:
@@ -183,11 +173,11 @@ def lr_horizon(cfg, saved_horizon: int, log) -> int:
     return saved_horizon
 
 
-def checkpoint_to_resume(cfg, warn) -> Path | None:
+def checkpoint_to_resume(cfg, run_folder, warn) -> Path | None:
     if not cfg.resume:
         return None
-    if cfg.resume == "latest":
-        for folder in reversed(committed_checkpoints(cfg.run_dir)):
+    if cfg.resume == "latest":  # in this node's folder (a bucket's newest is downloaded there)
+        for folder in reversed(run_folder.checkpoints()):
             problem = checkpoint_problem(folder)
             if problem is None:
                 return folder
@@ -279,7 +269,7 @@ def init_weights(module, source: str) -> Path:
     checkpoint) or a .safetensors file; the shapes are checked first."""
     path = Path(source)
     if path.is_dir():
-        newest = latest_checkpoint(source)
+        newest = RunFolder(source).newest()
         exported = path / "model.safetensors"
         path = exported if exported.is_file() or newest is None else newest / "model.safetensors"
     if not path.is_file():

@@ -39,22 +39,18 @@ import torch.distributed as dist
 import yaml
 
 from checkpoint import (
-    MANIFEST,
-    STEP_PREFIX,
     Sharded,
     as_part,
-    checkpoint_root,
-    committed_checkpoints,
     file_digest,
     fsync_dir,
     run_geometry,
     write_file,
 )
-from config import is_url
 from errors import CheckpointError, RunError
 from hangs import patiently
 from plumbing import collectively, is_writer
-from storage import Bucket
+from run_folder import MANIFEST, STEP_PREFIX, RunFolder
+from storage import open_run_folder
 
 SAID_WAIT_S = 5.0  # a wait for the background write longer than this is said
 WRITER_WAIT_AT_EXIT_S = 10.0  # bounded: a write stuck on a dead filesystem must not hold the exit
@@ -191,15 +187,15 @@ class Transaction:
         self.parts = parts
         self.step = step
         self.run_identity = {**run_geometry(plumbing, cfg), **identity}
-        self.final = checkpoint_root(cfg.run_dir) / f"{STEP_PREFIX}{step:08d}"
+        self.folder = open_run_folder(cfg)
+        self.final = self.folder.checkpoint(step)
         self.tmp = self.final.with_name(self.final.name + ".tmp")
-        self.writer = is_writer(plumbing, cfg.run_dir_is_shared)
-        self.ranks = node_ranks(plumbing, cfg.run_dir_is_shared)
-        self.bucket = None
-        if is_url(cfg.output_dir):
+        self.writer = is_writer(plumbing, self.folder.shared)
+        self.ranks = node_ranks(plumbing, self.folder.shared)
+        self.bucket = self.folder.bucket
+        if self.bucket is not None:
             # object storage (storage.py): each process stages its own files and uploads them; the
             # main process writes the files a checkpoint holds once, and the manifest last
-            self.bucket = Bucket(cfg.output_dir, cfg.upload_timeout_s)
             self.final = self.bucket.step_url(step)
             self.tmp = self.tmp / f"rank{plumbing.process_index}"
             self.writer = plumbing.is_main_process
@@ -222,7 +218,7 @@ class Transaction:
         if self.writer or self.bucket is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             check_space(
-                checkpoint_root(self.cfg.run_dir),
+                self.folder.path("checkpoints"),
                 checkpoint_bytes(self.parts, self.ranks),
                 self.step,
             )
@@ -239,7 +235,7 @@ class Transaction:
                 self.bucket.upload(self.tmp, self.step, self.plumbing.process_index)
         except Exception as e:
             # torch.save reports a full disk as "enforce fail at inline_container.cc ... unexpected pos"
-            folder = checkpoint_root(self.cfg.run_dir)
+            folder = self.folder.path("checkpoints")
             if out_of_space(e, folder):
                 raise RunError(
                     f"no space left on {folder} ({human_bytes(free_bytes(folder))} free): the "
@@ -259,7 +255,7 @@ class Transaction:
             expected = expected_files(self.parts, self.ranks)
             about = {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
             publish(self.tmp, self.final, expected, about)
-            prune_checkpoints(self.cfg.run_dir, self.cfg.keep_last)
+            prune_checkpoints(self.folder, self.cfg.keep_last)
 
     def commit_on_object_storage(self) -> None:
         """Each process's staged copy is uploaded: removed. The main process writes the manifest
@@ -271,16 +267,7 @@ class Transaction:
         about = {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
         self.bucket.commit(self.step, len(world), expected_files(self.parts, world), about)
         self.bucket.prune(self.cfg.keep_last, self.step)
-        self.bucket.upload_run_files(self.cfg.run_dir)
-
-
-def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict) -> Path:
-    """Write, vote, publish by rename, prune, in the loop. The manifest records the run's geometry
-    and data `identity`, what a resume must find unchanged (resume.py). Collective: call on all
-    ranks; a failure anywhere raises everywhere."""
-    transaction = Transaction(plumbing, cfg, parts, step, identity)
-    transaction.run()
-    return transaction.final
+        self.folder.upload_run_files()
 
 
 def write_part(folder: Path, name: str, part, plumbing, writer: bool) -> None:
@@ -380,10 +367,10 @@ def publish(tmp: Path, final: Path, expected: list[str], about: dict) -> None:
     fsync_dir(final.parent)  # the rename itself, durable
 
 
-def recover_interrupted_swap(output_dir: str) -> None:
+def recover_interrupted_swap(folder: RunFolder) -> None:
     """A crash between publish's two renames leaves step_N.stale (the old committed copy) and no
     step_N: put it back. Called by the writer at start-up, under the run folder's lock."""
-    for stale in checkpoint_root(output_dir).glob(f"{STEP_PREFIX}*.stale"):
+    for stale in folder.path("checkpoints").glob(f"{STEP_PREFIX}*.stale"):
         final = stale.with_suffix("")
         if final.exists():
             shutil.rmtree(stale)
@@ -391,12 +378,12 @@ def recover_interrupted_swap(output_dir: str) -> None:
             os.replace(stale, final)
 
 
-def prune_checkpoints(output_dir: str, keep_last: int) -> None:
+def prune_checkpoints(folder: RunFolder, keep_last: int) -> None:
     """Delete all but the newest `keep_last` committed checkpoints, and leftovers of crashed
     saves."""
-    for old in committed_checkpoints(output_dir)[:-keep_last]:
+    for old in folder.checkpoints()[:-keep_last]:
         shutil.rmtree(old)
-    root = checkpoint_root(output_dir)
+    root = folder.path("checkpoints")
     for leftover in [*root.glob("*.tmp"), *root.glob("*.stale")]:
         # called right after a commit: no save is in flight
         shutil.rmtree(leftover, ignore_errors=True)

@@ -57,9 +57,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-from checkpoint import COMMITTED_NAME, MANIFEST, STEP_PREFIX, checkpoint_problem, file_digest
-from config import is_url
+from checkpoint import checkpoint_problem, file_digest
 from errors import CheckpointError, ConfigError, RunError, first_line
+from run_folder import COMMITTED_NAME, MANIFEST, STEP_PREFIX, RunFolder, is_url, step_name
 
 UPLOADED = "uploaded"  # step_N/uploaded/rank{r}.json: what process r uploaded
 RUN_FILES_NOT_UPLOADED = (".lock",)
@@ -385,20 +385,47 @@ class Bucket:
         self.bounded("the run files could not be downloaded", get)
 
 
-def take_lease(cfg) -> None:
-    """The main process, at start-up: the run's lease (one job per URL), or a warning line where
-    the store has no conditional put."""
-    if os.environ.get(LEASE_HELD):  # by the process that started this one (mp.spawn)
-        return
-    lease = Lease(Bucket(cfg.output_dir, cfg.upload_timeout_s), cfg.store_lease_s)
-    if not lease.supported():
-        say(
-            f"warning: a second job on {cfg.output_dir} is not refused: only s3:// has the "
-            "conditional put this template's lease uses (each node's staging folder is locked)"
-        )
-        return
-    lease.take(say)
-    os.environ[LEASE_HELD] = lease.holder  # inherited by the processes this one starts
+def open_run_folder(cfg) -> RunFolder:
+    """The run folder the config names: on this node's disk, or on object storage (BucketFolder)."""
+    if is_url(cfg.output_dir):
+        return BucketFolder(cfg)
+    return RunFolder.of(cfg)
+
+
+class BucketFolder(RunFolder):
+    """A run on object storage: this node's staging folder (RunFolder's layout), and the bucket
+    behind it, which holds the committed checkpoints, the run files and the lease."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg.output_dir, cfg.staging_dir, cfg.shared_filesystem)
+        self.bucket = Bucket(cfg.output_dir, cfg.upload_timeout_s)
+        self.lease_s = cfg.store_lease_s
+
+    def newest(self) -> str | None:
+        return self.bucket.newest()
+
+    def take_lease(self) -> None:
+        """The main process, at start-up: the run's lease (one job per URL), or a warning line
+        where the store has no conditional put."""
+        if os.environ.get(LEASE_HELD):  # by the process that started this one (mp.spawn)
+            return
+        lease = Lease(self.bucket, self.lease_s)
+        if not lease.supported():
+            say(
+                f"warning: a second job on {self.root} is not refused: only s3:// has the "
+                "conditional put this template's lease uses (each node's staging folder is locked)"
+            )
+            return
+        lease.take(say)
+        os.environ[LEASE_HELD] = lease.holder  # inherited by the processes this one starts
+
+    def upload_run_files(self, at_the_end: bool = False) -> str | None:
+        """The run files as they are (the export among them at the end); nothing after a store's
+        failure."""
+        if store_failed():
+            return None
+        self.bucket.upload_run_files(str(self.local), at_the_end=at_the_end)
+        return self.root
 
 
 def say(line: str) -> None:
@@ -566,7 +593,3 @@ def store_problem(error: BaseException) -> str:
     if any(word in names for word in ("ConnectionClosed", "Disconnected", "IncompleteRead")):
         return "it closed the connection mid-request (the store is gone?)"
     return first_line(error)
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:08d}"  # zero-padded: they sort as text

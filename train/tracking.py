@@ -16,7 +16,6 @@ import resource
 import secrets
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import yaml
@@ -24,13 +23,12 @@ from tqdm.auto import tqdm
 
 import task
 from blocks import flops_per_token
-from config import TrainConfig, is_url
+from config import TrainConfig
 from errors import first_line
+from plumbing import is_writer
 from provenance import environment_info, launch_record
 from sharding import fsdp_setting
-from storage import Bucket, StoreError, store_failed
-
-PREEMPTED_MARKER = "preempted.json"
+from storage import StoreError, open_run_folder
 
 
 class MetricsLogger:
@@ -39,7 +37,8 @@ class MetricsLogger:
         self.plumbing = plumbing
         self.enabled = plumbing.is_main_process
         self.show_progress = plumbing.is_local_main_process
-        self.output_dir = Path(cfg.run_dir)  # on object storage, the staging folder (storage.py)
+        # on object storage: this node's staging folder, the bucket behind it (storage.py)
+        self.folder = open_run_folder(cfg)
         self.metrics_file = None
         self.bar = None
         self.tracker_failed = False
@@ -63,21 +62,19 @@ class MetricsLogger:
                 disable=None,
             )
         if self.show_progress:  # this run is the requeued one (on object storage, each node's)
-            (self.output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
+            self.folder.clear_requeue_marker()
         if not self.enabled:
             return
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(
-            yaml.safe_dump(asdict(self.cfg), sort_keys=False)
-        )
-        info_file = self.output_dir / "run_info.json"
+        self.folder.local.mkdir(parents=True, exist_ok=True)
+        self.folder.path("config").write_text(yaml.safe_dump(asdict(self.cfg), sort_keys=False))
+        info_file = self.folder.path("run_info")
         # how each start was launched, the first one's kept by every resume and requeue
         previous = (
             json.loads(info_file.read_text()).get("launches", []) if info_file.exists() else []
         )
         launches = [*previous, launch_record()]
         info_file.write_text(json.dumps({**run_info, "launches": launches}, indent=2) + "\n")
-        path = self.output_dir / "metrics.jsonl"
+        path = self.folder.path("metrics")
         logged = path.read_text().splitlines(keepends=True) if path.exists() else []
         # a resume re-logs the rest
         path.write_text("".join(line for line in logged if _step_of(line) <= step))
@@ -155,10 +152,10 @@ class MetricsLogger:
 
     def stopped(self, step: int, signal_name: str, checkpoint: str) -> None:
         """A stop on a signal, with a checkpoint. Except after Ctrl-C, leave the requeue marker."""
-        # on object storage, each node's staging folder holds one: each node's job script reads it
-        marks = self.enabled or (is_url(self.cfg.output_dir) and self.show_progress)
-        if marks and signal_name != "SIGINT":
-            write_preempted_marker(self.cfg.run_dir, step, signal_name, checkpoint)
+        # the process that writes the run folder: on node-local disks and object storage (staging
+        # folders), each node's, for each node's job script to read
+        if is_writer(self.plumbing, self.folder.shared) and signal_name != "SIGINT":
+            self.folder.mark_for_requeue(step, signal_name, checkpoint)
         self.info(
             f"stopping at step {step} on {signal_name}, checkpoint saved: continue with "
             f"--output_dir {self.cfg.output_dir} --resume latest"
@@ -223,22 +220,11 @@ class MetricsLogger:
         if self.metrics_file is not None:
             self.metrics_file.close()
             self.metrics_file = None
-            # the run files as they end, the export among them; nothing after a store's failure
-            if is_url(self.cfg.output_dir) and not store_failed():
-                bucket = Bucket(self.cfg.output_dir, self.cfg.upload_timeout_s)
-                bucket.upload_run_files(self.cfg.run_dir, at_the_end=True)
-                self.info(f"run files uploaded to {self.cfg.output_dir}")
+            # on object storage: the run files as they end, the export among them
+            uploaded_to = self.folder.upload_run_files(at_the_end=True)
+            if uploaded_to:
+                self.info(f"run files uploaded to {uploaded_to}")
         finish_trackers(self.plumbing)
-
-
-def write_preempted_marker(
-    output_dir: str, step: int, signal_name: str, checkpoint: str | None
-) -> None:
-    """<output_dir>/preempted.json: launchers report any worker's exit as 1, so a requeue script
-    tells "stopped on a signal, requeue me" apart from a failure by this file. The next start
-    removes it."""
-    record = {"step": step, "signal": signal_name, "checkpoint": checkpoint}
-    (Path(output_dir) / PREEMPTED_MARKER).write_text(json.dumps(record) + "\n")
 
 
 def wandb_init_kwargs(cfg: TrainConfig, run_id: str, resumed_step: int) -> dict:

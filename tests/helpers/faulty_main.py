@@ -150,14 +150,14 @@ def inject_nan_loss(step: int) -> None:
 
 
 def inject_startup_signal(action: str) -> None:
-    original_build = main.build_datasets
+    original_build = main.task.build_datasets
 
     def build_datasets(cfg):
         if armed():
             os.kill(os.getpid(), SIGNALS[action])
         return original_build(cfg)
 
-    main.build_datasets = build_datasets
+    main.task.build_datasets = build_datasets
 
 
 def inject_inf_grads(step: int) -> None:
@@ -203,7 +203,7 @@ def kill_at_event(n: int) -> None:
     )
     saving.prune_checkpoints = counted(saving.prune_checkpoints)
     stopping.StopSignals.requested = counted(stopping.StopSignals.requested)
-    main.build_datasets = counted(main.build_datasets)
+    main.task.build_datasets = counted(main.task.build_datasets)
 
 
 def slow_down(seconds: float) -> None:
@@ -300,7 +300,7 @@ def record_samples(folder: str) -> None:
             return self.dataset[index]
 
     original_build, original_train, original_next_block = (
-        main.build_datasets,
+        main.task.build_datasets,
         main.train,
         StreamBatches.next_block,
     )
@@ -332,7 +332,11 @@ def record_samples(folder: str) -> None:
             dataset = dataset.dataset
         return original_digest(dataset, *args, **kwargs)
 
-    main.build_datasets, main.train, StreamBatches.next_block = build_datasets, train, next_block
+    main.task.build_datasets, main.train, StreamBatches.next_block = (
+        build_datasets,
+        train,
+        next_block,
+    )
     batches.content_digest = content_digest
 
 
