@@ -102,19 +102,15 @@ def write_reviews(path: Path) -> Path:
     return path
 
 
-def write_word_tokenizer(folder: Path) -> Path:
-    """A word-level BERT tokenizer for those reviews, saved as a Hugging Face tokenizer folder."""
-    from transformers import BertTokenizerFast
-
-    words = [
-        "[PAD]",
-        "[UNK]",
-        "[CLS]",
-        "[SEP]",
-        "[MASK]",
-        *sorted({*FILLER, *sum(WORDS.values(), [])}),
-    ]
-    BertTokenizerFast(vocab={word: i for i, word in enumerate(words)}).save_pretrained(folder)
+def write_word_tokenizer(reviews: Path, folder: Path) -> Path:
+    """The reviews' words as a Hugging Face tokenizer folder, made offline as the README tells a user
+    to (scripts/word_tokenizer.py)."""
+    result = run(
+        [sys.executable, str(REPO / "scripts/word_tokenizer.py"), str(reviews), str(folder)],
+        base_env(folder.parent),
+        timeout=120,
+    )
+    assert result.returncode == 0 and f"--tokenizer {folder}" in result.stdout, result.stdout
     return folder
 
 
@@ -133,7 +129,7 @@ def example_args(example: str, root: Path) -> list[str]:
         data = ["--dataset", write_images(root / "shapes"), "--eval_fraction", 0.2, "--lr", 3e-3]
     elif example == "text_classification":
         reviews = write_reviews(root / "reviews.csv")
-        tokenizer = write_word_tokenizer(root / "tokenizer")
+        tokenizer = write_word_tokenizer(reviews, root / "tokenizer")
         data = [
             "--dataset",
             reviews,
