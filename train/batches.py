@@ -87,8 +87,8 @@ def loader_options(cfg) -> dict:
         "collate_fn": task.collate,
         "num_workers": cfg.num_workers,
         "pin_memory": torch.cuda.is_available(),
-        # a loader draws its worker seeds from `generator`, not from the global RNG that dropout
-        # uses
+        # a loader draws its worker seeds from `generator`, not from the global RNG
+        # that dropout uses
         "generator": torch.Generator().manual_seed(cfg.seed),
         # a preemption's signal reaches the loader workers too: they leave it to this process,
         # which checkpoints first

@@ -281,8 +281,8 @@ class HarnessLM:
         longest_first = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0] + pairs[i][1]))
         for start in range(0, len(pairs), self.batch_size):
             chosen = longest_first[start : start + self.batch_size]
-            # the last block_size tokens of each text are the model's input (the final token only a
-            # target)
+            # the last block_size tokens of each text are the model's input (the final token
+            # only a target)
             inputs = [(pairs[i][0] + pairs[i][1])[-(self.block_size + 1) :][:-1] for i in chosen]
             width = max(len(tokens) for tokens in inputs)
             padded = torch.zeros((len(inputs), width), dtype=torch.long)

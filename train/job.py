@@ -36,8 +36,8 @@ from stopping import Preempted, StopSignals, stop_signals
 from storage import check_output_dir, open_run_folder
 from task import check_fork_files
 
-# Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to stop the
-# rest.
+# Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to
+# stop the rest.
 OTHER_RANKS_ERROR_DELAY_S = 5.0
 LOADER_DEATH = "DataLoader worker (pid"  # how torch's RuntimeError for a dead loader worker starts
 LOADER_DIED = (
@@ -294,8 +294,8 @@ def say_and_exit(error: Exception) -> None:
     code = getattr(error, "exit_code", 1)
     line = f"error: {the_line(error)}"
     print(line, file=sys.stderr)  # noqa: T201 - the job's one line
-    # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root Cause":
-    # our line
+    # the launchers' failure summary shows the worker's TORCHELASTIC_ERROR_FILE as its "Root
+    # Cause": our line
     if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
         extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
         Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": extra}}))

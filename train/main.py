@@ -69,8 +69,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     # prepare: wraps the model in DDP (or shards it, FSDP, and points the optimizer at the shards)
     model, optimizer = accelerator.prepare(model, optimizer)
     if accelerator.scaler is None:
-        # accelerate's optimizer wrapper only steps fp16's loss scaler; without one it costs 0.3 ms
-        # a step
+        # accelerate's optimizer wrapper only steps fp16's loss scaler; without one it costs
+        # 0.3 ms a step
         optimizer = getattr(optimizer, "optimizer", optimizer)
     # the model's .loss, eval_columns and eval_metrics agree on an eval batch (one line if not)
     task.check_loss_contract(model, data.first_eval_batch(accelerator.device), cfg)
@@ -140,8 +140,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
         saving = (cfg.save_every and state.step % cfg.save_every == 0) or is_last
         # the loop waits for the GPU here only, so it runs ahead
         if state.step % cfg.log_every == 0 or saving:
-            # over micro-steps, then over ranks; checked before every save, so no broken weights are
-            # committed
+            # over micro-steps, then over ranks; checked before every save, so no broken
+            # weights are committed
             reduced = accelerator.reduce(torch.stack([step_loss, bad_grad_steps]), "mean")
             mean_loss, bad_grads = reduced.tolist()
             log.log(

@@ -192,17 +192,17 @@ def build_accelerator(cfg):
         # believing it is rank 0 of 1 (N independent trainings writing one folder); cpu=True makes
         # them a gloo group.
         cpu=not torch.cuda.is_available(),
-        # None: the launcher's setting (ACCELERATE_MIXED_PRECISION, from the accelerate config)
-        # decides
+        # None: the launcher's setting (ACCELERATE_MIXED_PRECISION, from the
+        # accelerate config) decides
         mixed_precision=cfg.mixed_precision or None,
-        # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on the
-        # torch path
+        # sync_with_dataloader=False: an optimizer step may straddle two epochs, exactly as on
+        # the torch path
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.grad_accum_steps, sync_with_dataloader=False
         ),
-        # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks the
-        # host on each batch (measured on an H100 with bench/throughput.py: 1.08x the bare loop with
-        # it)
+        # asynchronous host-to-GPU batch copies (pinned memory); accelerate's default blocks
+        # the host on each batch (measured on an H100 with bench/throughput.py: 1.08x the bare
+        # loop with it)
         dataloader_config=DataLoaderConfiguration(non_blocking=torch.cuda.is_available()),
         kwargs_handlers=[DistributedDataParallelKwargs(**cfg.ddp_options())],
         fsdp_plugin=fsdp_plugin,

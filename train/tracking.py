@@ -50,8 +50,8 @@ class MetricsLogger:
         metrics.jsonl rows up to `step` (a resume re-logs the rest)."""
         self.cfg = cfg
         if self.show_progress:
-            # disable=None: no bar when stderr is not a terminal (CI, SLURM logs); the log lines
-            # remain
+            # disable=None: no bar when stderr is not a terminal (CI, SLURM logs); the
+            # log lines remain
             self.bar = tqdm(
                 total=self.cfg.max_steps,
                 initial=step,
@@ -232,8 +232,8 @@ def wandb_init_kwargs(cfg: TrainConfig, run_id: str, resumed_step: int) -> dict:
     resume, rewound to the checkpoint's step (`resume_from`). Entity, tags and group fall back to
     WANDB_ENTITY / WANDB_TAGS / WANDB_RUN_GROUP; the API key only ever comes from WANDB_API_KEY or
     `wandb login`."""
-    # quiet: no ~25-line summary at the end of every run (the offline sync hint is printed by
-    # start_trackers)
+    # quiet: no ~25-line summary at the end of every run (the offline sync hint is
+    # printed by start_trackers)
     kwargs = {"name": cfg.run_label, "dir": cfg.run_dir, "settings": {"quiet": True}}
     if resumed_step:
         kwargs["resume_from"] = f"{run_id}?_step={resumed_step}"
