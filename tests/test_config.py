@@ -1,5 +1,6 @@
 """Config: YAML + CLI precedence, and one clear line for every bad input."""
 
+import re
 import sys
 import time
 
@@ -170,6 +171,68 @@ def test_help_lists_every_key_with_its_comment(tmp_path):
     for key in ("--grad_accum_steps", "--mixed_precision", "--keep_last"):
         assert key in result.output
     assert "micro-steps per optimizer step" in result.output
+
+
+def test_the_forks_own_keys_join_the_templates_in_yaml_flags_help_and_checks(tmp_path, monkeypatch):
+    """A fork declares its knobs in its own files (model.py's ModelConfig, data.py's DataConfig):
+    they load like the template's, `--help` lists them with their comments, an earlier name is
+    refused in one line naming the new one, a clash with a template key is one line at start-up."""
+    import dataclasses
+    import types
+    from typing import ClassVar
+
+    import config
+    import task
+
+    @dataclasses.dataclass
+    class ModelConfig:
+        # width of the hidden layer
+        hidden_width: int = 128
+        RENAMED: ClassVar[dict] = {"n_embd": "hidden_width: the hidden layer's width"}
+
+    @dataclasses.dataclass
+    class DataConfig:
+        # pixels a side
+        image_size: int = 32
+
+    fork_model = types.ModuleType("model")
+    fork_model.ModelConfig = ModelConfig
+    fork_data = types.ModuleType("data")
+    fork_data.DataConfig = DataConfig
+    monkeypatch.setattr(task, "fork_file", {"model": fork_model, "data": fork_data}.get)
+    config.config_class.cache_clear()
+    try:
+        yaml_file = tmp_path / "run.yaml"
+        yaml_file.write_text("hidden_width: 64\nlr: 0.01\n")
+        cfg = load_config(["--config", str(yaml_file), "--image_size", "48"])
+        assert (cfg.hidden_width, cfg.image_size, cfg.lr, cfg.max_steps) == (64, 48, 0.01, 300)
+        assert isinstance(cfg, TrainConfig)
+        with pytest.raises(ConfigError, match=r"^image_size must be an int \(got 'big'\)$"):
+            load_config(["--image_size", "big"])
+        with pytest.raises(
+            ConfigError, match=r"^unknown key 'n_embd' \(renamed hidden_width: the hidden layer's"
+        ):
+            load_config(["--n_embd", "64"])
+        help_text = config.usage()
+        assert "train/model.py's ModelConfig:" in help_text
+        assert re.search(
+            r"--hidden_width\s+int\s+default 128\s+width of the hidden layer", help_text
+        )
+        assert re.search(r"--image_size\s+int\s+default 32\s+pixels a side", help_text)
+
+        # a fork key that is the template's already
+        @dataclasses.dataclass
+        class Clashing:
+            lr: float = 1.0
+
+        fork_data.DataConfig = Clashing
+        config.config_class.cache_clear()
+        with pytest.raises(
+            ConfigError, match=r"^train/data.py's Clashing: key 'lr' is already TrainConfig's"
+        ):
+            load_config([])
+    finally:
+        config.config_class.cache_clear()
 
 
 def test_a_path_typo_that_looks_like_a_hub_name_fails_at_once(tmp_path, monkeypatch):

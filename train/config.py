@@ -388,7 +388,7 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
 def unknown_key_hint(key: str, known) -> str:
     """Where a key went (a renamed one), or the closest known key."""
     renamed = dict(RENAMED)
-    for settings in fork_settings():
+    for settings in fork_settings().values():
         renamed.update(getattr(settings, "RENAMED", {}))
     if key in renamed:
         return f" (renamed {renamed[key]})"
@@ -407,8 +407,8 @@ def config_class() -> type:
         return TrainConfig
     taken = {f.name: "TrainConfig" for f in fields(TrainConfig)}
     added = []
-    for declared in settings:
-        where = f"{declared.__module__}.py's {declared.__name__}"
+    for module_name, declared in settings.items():
+        where = f"{module_name}.py's {declared.__name__}"
         if not dataclasses.is_dataclass(declared):
             raise ConfigError(f"train/{where} must be a @dataclass of the task's own config keys")
         for f in fields(declared):
@@ -416,12 +416,13 @@ def config_class() -> type:
                 raise ConfigError(
                     f"train/{where}: key '{f.name}' is already {taken[f.name]}'s: name it otherwise"
                 )
-            if f.type not in ("int", "float", "str", "bool"):
+            type_name = type_name_of(f)
+            if type_name not in ("int", "float", "str", "bool"):
                 raise ConfigError(
                     f"train/{where}: key '{f.name}' must be an int, float, str or bool (got {f.type})"
                 )
             taken[f.name] = where
-            added.append((f.name, f.type, dataclasses.field(default=f.default)))
+            added.append((f.name, type_name, dataclasses.field(default=f.default)))
     return dataclasses.make_dataclass("RunConfig", added, bases=(TrainConfig,), frozen=True)
 
 
@@ -519,15 +520,24 @@ def usage() -> str:
         else "train/main.py"
     )
     lines = [f"usage: {program} [--config FILE.yaml] [--key value ...]", ""]
-    for declared in (TrainConfig, *fork_settings()):
+    for module_name, declared in {"config": TrainConfig, **fork_settings()}.items():
         if declared is not TrainConfig:
-            lines += ["", f"  train/{declared.__module__}.py's {declared.__name__}:"]
+            lines += ["", f"  train/{module_name}.py's {declared.__name__}:"]
         comments = comments_above_fields(declared)
         for f in fields(declared):
             lines.append(
-                f"  --{f.name:<17} {f.type:<5} default {f.default!r:<24} {comments.get(f.name, '')}"
+                f"  --{f.name:<17} {type_name_of(f):<5} default {f.default!r:<24} "
+                f"{comments.get(f.name, '')}"
             )
     return "\n".join(lines)
+
+
+def type_name_of(field: dataclasses.Field) -> str:
+    """A field's type as written: "int" (a name, under `from __future__ import annotations`, or
+    the class itself)."""
+    if isinstance(field.type, str):
+        return field.type
+    return getattr(field.type, "__name__", str(field.type))
 
 
 def comments_above_fields(declared: type) -> dict[str, str]:

@@ -107,14 +107,14 @@ def data_identity(dataset) -> str | None:
     return identity(dataset)
 
 
-def fork_settings() -> list[type]:
-    """The dataclasses of the fork's own config keys (model.py's ModelConfig, data.py's
-    DataConfig), those it defines."""
-    found = []
+def fork_settings() -> dict[str, type]:
+    """The dataclasses of the fork's own config keys, by the file that declares them ({"model":
+    ModelConfig, "data": DataConfig}, those it defines)."""
+    found = {}
     for module_name, class_name in SETTINGS.items():
         settings = getattr(fork_file(module_name), class_name, None)
         if settings is not None:
-            found.append(settings)
+            found[module_name] = settings
     return found
 
 
