@@ -130,6 +130,11 @@ def test_a_reset_connection_inside_the_loader_is_a_dead_worker_and_elsewhere_an_
     )
     assert "a data loader worker died" in line
     assert job.loader_connection_lost(raised_in("train/storage.py")) is None  # a store's, say
+    ended = EOFError()  # the other way the handshake with a dead worker fails
+    ended.__traceback__ = inside.__traceback__
+    assert str(job.loader_connection_lost(ended)).startswith(
+        "a DataLoader worker's connection was lost (EOFError): a data loader worker died"
+    )
     assert job.loader_connection_lost(OSError(28, "No space left on device")) is None
 
 

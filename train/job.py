@@ -183,6 +183,10 @@ def run_and_report(train_fn, cfg, make_plumbing) -> None:
         code = StopSignals.INTERRUPTED_EXIT_CODE
     except (ConfigError, RunError, OSError) as e:  # OSError: a full disk or a permission problem
         exit_with_error(loader_connection_lost(e) or e)
+    except EOFError as e:  # a loader worker gone mid-handshake (loader_connection_lost); else a bug
+        if loader_connection_lost(e) is None:
+            raise
+        exit_with_error(loader_connection_lost(e))
     except RuntimeError as e:
         if str(e).startswith(LOADER_DEATH):
             raise  # said by run_or_exit, out of the way of the loader's handler
@@ -233,18 +237,17 @@ def dead_loader_worker(error: RuntimeError) -> RunError | None:
     return RunError(f"{message}: {LOADER_DIED}")
 
 
-def loader_connection_lost(error: OSError) -> RunError | None:
+def loader_connection_lost(error: BaseException) -> RunError | None:
     """A loader worker killed while it hands a batch over: the training process may meet the reset
-    of the connection that passes the batch's shared memory before torch's handler names the death
-    (seen under load). The same one line as dead_loader_worker's."""
-    if not isinstance(error, ConnectionError):
+    (or the end) of the connection that passes the batch's shared memory before torch's handler
+    names the death (seen under load). The same one line as dead_loader_worker's."""
+    if not isinstance(error, (ConnectionError, EOFError)):
         return None
     frames = traceback.extract_tb(error.__traceback__)
     if not any(f"{os.sep}utils{os.sep}data{os.sep}" in frame.filename for frame in frames):
         return None
-    return RunError(
-        f"a DataLoader worker's connection was reset ({first_line(error)}): {LOADER_DIED}"
-    )
+    how = first_line(error) or type(error).__name__
+    return RunError(f"a DataLoader worker's connection was lost ({how}): {LOADER_DIED}")
 
 
 def lost_a_peer(error: RuntimeError) -> bool:

@@ -2,8 +2,8 @@
 compiled code kept in the run folder so that a resume compiles nothing again (compiling.py).
 
 Compiled kernels fuse and reorder float operations, so a compiled run's losses are compared with the
-eager run's within a tolerance (LOSS_TOLERANCE, relative); a compiled run resumed from its kept
-cache runs the very same kernels as the uninterrupted compiled run."""
+eager run's within a tolerance (LOSS_TOLERANCE, relative): a resume that lost any state moves them
+far more than that."""
 
 import math
 import shutil
@@ -51,29 +51,26 @@ def assert_close(compiled: dict, eager: dict) -> None:
 
 
 def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_path, corpus):
-    """Accelerate, 2 processes (DDP): compiled vs eager within the tolerance; stopped at step 3 and
-    resumed, the run compiles no graph (dynamo's counters: every graph from the run folder's cache)
-    and its losses are the uninterrupted compiled run's. A copy of the stopped run folder whose
+    """Accelerate, 2 processes (DDP): a compiled run stopped at step 3 and resumed compiles no graph
+    after the resume (dynamo's counters: every graph from the run folder's cache), and its losses
+    are the uninterrupted eager run's within the tolerance. A copy of the stopped run folder whose
     compiled libraries were cut short and a cached graph garbled (an interrupted copy) resumes too:
     one warning line, the cache set aside, every graph compiled cold, the same losses."""
-    whole = tmp_path / "compiled"
-    launch_accelerate(tiny_args(whole, corpus, compile="true", **STEPS), tmp_path).check()
+    # the reference: the eager run (a compiled run's kernels differ from eager's within the tolerance)
     eager = tmp_path / "eager"
     launch_accelerate(tiny_args(eager, corpus, compile="false", **STEPS), tmp_path).check()
-    assert_close(losses(whole), losses(eager))
     assert not compile_counts(eager)  # eager: nothing compiled, nothing reported
-    if not compile_counts(whole) and not model_declares_blocks():
-        pytest.skip(
-            "this model compiled no graph (dynamo runs it eager: e.g. an nn.GRU): no compiled code to keep"
-        )
-    assert compile_counts(whole), "a compiled run reported no compiled graph (compile_graphs_*)"
-    assert (whole / "compile_cache").is_dir()
-    first_row = compile_counts(whole)[0]
-    assert first_row[1] > 0 and first_row[2] == 0  # cold: every graph compiled
-
     resumed = tmp_path / "resumed"
     first_half = {**STEPS, "max_steps": 3}
     launch_accelerate(tiny_args(resumed, corpus, compile="true", **first_half), tmp_path).check()
+    if not compile_counts(resumed) and not model_declares_blocks():
+        pytest.skip(
+            "this model compiled no graph (dynamo runs it eager: e.g. an nn.GRU): no compiled code to keep"
+        )
+    assert compile_counts(resumed), "a compiled run reported no compiled graph (compile_graphs_*)"
+    assert (resumed / "compile_cache").is_dir()
+    first_row = compile_counts(resumed)[0]
+    assert first_row[1] > 0 and first_row[2] == 0  # cold: every graph compiled
     damaged = tmp_path / "damaged"
     shutil.copytree(resumed, damaged)
     resume_args = [*tiny_args(resumed, corpus, compile="true", **STEPS), "--resume", "latest"]
@@ -82,7 +79,7 @@ def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_
     assert after_resume, compile_counts(resumed)
     for step, compiled, cached in after_resume:
         assert compiled == 0 and cached > 0, (step, compiled, cached)
-    assert_close(losses(resumed), losses(whole))
+    assert_close(losses(resumed), losses(eager))
 
     libraries = sorted((damaged / "compile_cache").rglob("*.so"))
     graphs = sorted((damaged / "compile_cache" / "fxgraph").rglob("*"))
@@ -100,7 +97,7 @@ def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_
     assert (damaged / "compile_cache.damaged").is_dir()
     after_resume = [row for row in compile_counts(damaged) if row[0] > 3]
     assert after_resume[0][1] > 0 and after_resume[0][2] == 0, after_resume  # cold
-    assert_close(losses(damaged), losses(whole))
+    assert_close(losses(damaged), losses(eager))
 
 
 @pytest.mark.skipif(not model_declares_blocks(), reason=NEEDS_BLOCKS)
