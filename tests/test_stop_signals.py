@@ -126,7 +126,7 @@ def test_a_reset_connection_inside_the_loader_is_a_dead_worker_and_elsewhere_an_
     inside = raised_in(os.path.join("site-packages", "torch", "utils", "data", "dataloader.py"))
     line = str(job.loader_connection_lost(inside))
     assert line.startswith(
-        "a DataLoader worker's connection was reset ([Errno 104] Connection reset"
+        "a DataLoader worker's connection was lost ([Errno 104] Connection reset"
     )
     assert "a data loader worker died" in line
     assert job.loader_connection_lost(raised_in("train/storage.py")) is None  # a store's, say
