@@ -29,7 +29,7 @@ from errors import ConfigError
 from hangs import patiently
 from lm import load_tokenizer
 from plumbing import collectively
-from run_folder import RunFolder
+from run_folder import LAYOUT, RunFolder
 
 INSTALL = "pip install -r requirements-eval.txt"
 
@@ -71,8 +71,8 @@ def check_tasks(key: str, tasks: list[str], task_path: str) -> None:
 def load_trained(folder: Path, build_model):
     """(config, model with the folder's weights in eval mode, tokenizer or None for bytes) of a run
     folder (its export) or a checkpoint folder; a ConfigError if they do not fit."""
-    weights = folder / "model.safetensors"
-    if not (folder / "config.yaml").is_file():
+    weights = folder / LAYOUT["export"]
+    if not (folder / LAYOUT["config"]).is_file():
         raise ConfigError(
             f"{folder} has no config.yaml: pass a run folder or one of its checkpoints"
         )
@@ -83,7 +83,7 @@ def load_trained(folder: Path, build_model):
             else " (the run has not finished: pass a checkpoint)"
         )
         raise ConfigError(f"{folder} has no model.safetensors{hint}")
-    cfg = saved_config(folder / "config.yaml")
+    cfg = saved_config(folder / LAYOUT["config"])
     # the architecture only: the folder's weights replace the first
     cfg = replace(cfg, model_weights="config")
     model = build_model(cfg)
@@ -96,7 +96,7 @@ def run_and_checkpoint(folder: Path) -> tuple[Path, dict]:
     """(the run folder, the train_state.json of the step the folder's weights are from): a
     checkpoint's own, or for a run folder its newest checkpoint's (the export is the last step's)."""
     folder = Path(folder)
-    if folder.parent.name == "checkpoints":
+    if folder.parent.name == LAYOUT["checkpoints"]:
         run, checkpoint = folder.parent.parent, folder
     else:
         run, checkpoint = folder, RunFolder(str(folder)).newest()

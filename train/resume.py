@@ -23,7 +23,7 @@ from checkpoint import (
 )
 from errors import CheckpointError, ConfigError, RunError
 from plumbing import collectively, is_writer
-from run_folder import RunFolder
+from run_folder import LAYOUT, RunFolder
 from saving import recover_interrupted_swap
 from storage import open_run_folder
 
@@ -187,7 +187,7 @@ def checkpoint_to_resume(cfg, run_folder, warn) -> Path | None:
     if problem is None:
         return Path(cfg.resume)
     hint = ""
-    if (Path(cfg.resume) / "checkpoints").is_dir():
+    if (Path(cfg.resume) / LAYOUT["checkpoints"]).is_dir():
         hint = f"; it is a run folder: pass --output_dir {cfg.resume} --resume latest"
     raise CheckpointError(f"cannot resume from {cfg.resume}: {problem}{hint}")
 
@@ -270,8 +270,8 @@ def init_weights(module, source: str) -> Path:
     path = Path(source)
     if path.is_dir():
         newest = RunFolder(source).newest()
-        exported = path / "model.safetensors"
-        path = exported if exported.is_file() or newest is None else newest / "model.safetensors"
+        exported = path / LAYOUT["export"]
+        path = exported if exported.is_file() or newest is None else newest / LAYOUT["export"]
     if not path.is_file():
         raise CheckpointError(f"init_from: {path} does not exist")
     load_weights_file(module, path)

@@ -49,7 +49,7 @@ from checkpoint import (
 from errors import CheckpointError, RunError
 from hangs import patiently
 from plumbing import collectively, is_writer
-from run_folder import MANIFEST, STEP_PREFIX, RunFolder
+from run_folder import LAYOUT, MANIFEST, STEP_PREFIX, RunFolder
 from storage import open_run_folder
 
 SAID_WAIT_S = 5.0  # a wait for the background write longer than this is said
@@ -230,7 +230,7 @@ class Transaction:
                 write_part(self.tmp, name, as_part(part), self.plumbing, self.writer)
             if self.writer:  # provenance: the whole resolved config
                 config = yaml.safe_dump(asdict(self.cfg), sort_keys=False).encode()
-                write_file(self.tmp / "config.yaml", config)
+                write_file(self.tmp / LAYOUT["config"], config)
             if self.bucket is not None:
                 self.bucket.upload(self.tmp, self.step, self.plumbing.process_index)
         except Exception as e:
