@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from checkpoint import save_safetensors  # noqa: E402
 from config import saved_config  # noqa: E402
-from model import build_model  # noqa: E402
+from task import build_model  # noqa: E402 - model.py's, through the seam
 
 
 def consolidate(checkpoint: Path, out: Path) -> None:
