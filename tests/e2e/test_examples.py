@@ -256,28 +256,26 @@ def test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set(exam
     assert all(f"eval_{key}" in logged[-1] for key in checked)
 
 
-@pytest.mark.parametrize("fault", ["sigterm", "sigkill"])
-def test_a_preemption_or_a_killed_rank_resumes_to_the_same_bits(example, trained, fault):
-    """SIGTERM to every rank at step 5: a checkpoint at 5, exit 75. SIGKILL of rank 1 three steps after the
-    mid-run checkpoint: the job fails, that checkpoint stays. Either way --resume latest ends bitwise as the
-    baseline."""
-    run_dir = example.root / f"{fault}_run"
+def test_a_preemption_then_a_killed_rank_each_resume_to_the_same_bits(example, trained):
+    """One run through both faults: SIGTERM to every rank at step 5, a checkpoint at 5, exit 75;
+    --resume latest, then a SIGKILL of rank 1 three steps after the mid-run checkpoint, the job
+    fails, that checkpoint stays; --resume latest again ends bitwise as the baseline."""
+    run_dir = example.root / "faulted_run"
     args = example.args(run_dir)
-    step = 5 if fault == "sigterm" else example.steps // 2 + 3
-    env = {"FAULT_STEP": step, "FAULT_ACTION": fault, "FAULT_ONCE": example.root / f"{fault}.once"}
-    if fault == "sigkill":
-        env["FAULT_RANK"] = 1
-    faulted = launch_accelerate(args, example.root, script=example.faulty, env_extra=env)
-    if fault == "sigterm":
-        # a rank exits 75 once the checkpoint is published (the launcher itself reports 1; it may
-        # stop the other rank with its own SIGTERM before that one's exit is seen, after the save)
-        assert "exitcode  : 75" in faulted.output, faulted.tail()
-        assert json.loads((run_dir / "preempted.json").read_text())["step"] == 5
-    else:
-        assert faulted.returncode != 0
-    resumed = launch_accelerate([*args, "--resume", "latest"], example.root, script=example.main)
-    resumed.check()
-    assert f"(step {5 if fault == 'sigterm' else example.steps // 2})" in resumed.output
+    env = {"FAULT_STEP": 5, "FAULT_ACTION": "sigterm", "FAULT_ONCE": example.root / "sigterm.once"}
+    preempted = launch_accelerate(args, example.root, script=example.faulty, env_extra=env)
+    # a rank exits 75 once the checkpoint is published (the launcher itself reports 1; it may stop
+    # the other rank with its own SIGTERM before that one's exit is seen, after the save)
+    assert "exitcode  : 75" in preempted.output, preempted.tail()
+    assert json.loads((run_dir / "preempted.json").read_text())["step"] == 5
+    middle = example.steps // 2
+    env = {"FAULT_STEP": middle + 3, "FAULT_ACTION": "sigkill", "FAULT_RANK": 1}
+    env["FAULT_ONCE"] = example.root / "sigkill.once"
+    resume_args = [*args, "--resume", "latest"]
+    killed = launch_accelerate(resume_args, example.root, script=example.faulty, env_extra=env)
+    assert killed.returncode != 0 and "(step 5)" in killed.output, killed.tail()
+    resumed = launch_accelerate(resume_args, example.root, script=example.main).check()
+    assert f"(step {middle})" in resumed.output
     same_bits(run_dir, trained.output_dir)
 
 

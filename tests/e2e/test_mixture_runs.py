@@ -49,11 +49,24 @@ def mixture_args(output_dir, corpus, code_corpus, streaming: bool) -> list[str]:
     return tiny_args(output_dir, sources, **MIXTURE, streaming=streaming)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus, code_corpus):
+    """The uninterrupted mixture run, map-style or streamed: launched once, read by every test."""
+    runs = {}
+
+    def run_of(streaming: bool):
+        if streaming not in runs:
+            folder = tmp_path_factory.mktemp("streamed" if streaming else "map_style")
+            args = mixture_args(folder / "whole", corpus, code_corpus, streaming)
+            runs[streaming] = launch_accelerate(args, folder).check()
+        return runs[streaming]
+
+    return run_of
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streaming"])
-def test_a_killed_mixture_resumes_bitwise(tmp_path, corpus, code_corpus, streaming):
-    whole = launch_accelerate(
-        mixture_args(tmp_path / "whole", corpus, code_corpus, streaming), tmp_path
-    ).check()
+def test_a_killed_mixture_resumes_bitwise(tmp_path, corpus, code_corpus, streaming, uninterrupted):
+    whole = uninterrupted(streaming)
     evals = [row for row in whole.metrics() if "eval_loss" in row]
     assert [row["step"] for row in evals] == [10, 20]
     assert {"eval_loss/corpus", "eval_loss/code"} <= set(evals[-1])
@@ -81,14 +94,12 @@ def test_a_killed_mixture_resumes_bitwise(tmp_path, corpus, code_corpus, streami
 
 
 def test_a_map_style_mixture_resumes_on_another_world_size_and_evaluates_each_source_exactly(
-    tmp_path, corpus, code_corpus
+    tmp_path, corpus, code_corpus, uninterrupted
 ):
     """Saved by 2 processes x batch 4 x 2 micro-steps; resumed by 1 process x batch 8 x 2 on the torch path:
     the same samples in every step (the losses agree to float-summation tolerance). Then each source's logged
     eval loss and the overall one equal a per-sample computation from the exported model."""
-    whole = launch_accelerate(
-        mixture_args(tmp_path / "whole", corpus, code_corpus, False), tmp_path
-    ).check()
+    whole = uninterrupted(False)
     checkpoint = whole.output_dir / "checkpoints" / "step_00000012"
     one = run_python(
         [
