@@ -694,8 +694,8 @@ import sys, time, torch, datasets
 from accelerate import Accelerator
 sys.path.insert(0, {train!r})
 from model import build_model
-from config import TrainConfig
-cfg = RunConfig(block_size={block_size}, n_layer={n_layer}, n_head={n_head}, n_embd={n_embd})
+from config import config_class
+cfg = config_class()(block_size={block_size}, n_layer={n_layer}, n_head={n_head}, n_embd={n_embd})
 accelerator = Accelerator(cpu=not torch.cuda.is_available())
 def encode(batch):  # no closure: datasets caches the result by the function's hash, as it does the template's
     return {{"input_ids": [list(t.encode()[:{block_size}].ljust({block_size}, b" ")) for t in batch["text"]]}}
