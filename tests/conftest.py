@@ -66,8 +66,9 @@ SESSION_HF_HOME = Path(os.environ.get("PYTEST_HF_HOME", "/tmp/accelerate-templat
 os.environ.update(HF_HOME=str(SESSION_HF_HOME), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
 
-def tiny_args(output_dir: Path, dataset: Path, **overrides) -> list[str]:
-    """The shipped tiny preset, shrunk to a few dozen steps on a small local corpus."""
+def tiny_args(output_dir: Path, dataset: Path, config: Path = TINY, **overrides) -> list[str]:
+    """The shipped tiny preset (or another `config`), shrunk to a few dozen steps on a small local
+    corpus."""
     values = dict(
         output_dir=output_dir,
         dataset=dataset,
@@ -82,7 +83,7 @@ def tiny_args(output_dir: Path, dataset: Path, **overrides) -> list[str]:
         dist_timeout_s=60,
     )
     values.update(overrides)
-    args = ["--config", str(TINY)]
+    args = ["--config", str(config)]
     for key, value in values.items():
         args += [f"--{key}", str(value)]
     return args

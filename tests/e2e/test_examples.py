@@ -13,6 +13,7 @@ ranks and batches do not divide:
 """
 
 import csv
+import dataclasses
 import json
 import random
 import shutil
@@ -26,6 +27,7 @@ import torch
 
 from conftest import (
     REPO,
+    TINY,
     base_env,
     launch_accelerate,
     launch_torchrun,
@@ -63,6 +65,21 @@ def make_fork(root: Path, example: str) -> Path:
     for name in ("model.py", "data.py"):
         shutil.copy(EXAMPLES / example / name, fork / "train" / name)
     return fork
+
+
+def without_the_gpts_keys(path: Path) -> Path:
+    """The tiny preset without the shipped GPT's own keys (model.py's ModelConfig: n_layer, n_embd,
+    ...), which a fork's model.py does not declare: refused as unknown keys, as they should be."""
+    import importlib
+
+    import yaml
+
+    preset = yaml.safe_load(TINY.read_text())
+    # train/model.py's own keys, on the tests' path (a fork's model.py may declare none)
+    own = getattr(importlib.import_module("model"), "ModelConfig", None)
+    gpt_keys = {field.name for field in dataclasses.fields(own)} if own else set()
+    path.write_text(yaml.safe_dump({k: v for k, v in preset.items() if k not in gpt_keys}))
+    return path
 
 
 def write_images(folder: Path) -> Path:
@@ -162,6 +179,7 @@ class Example:
         self.steps = 32 if name == "text_classification" else 16
         self.learns_to = 0.98 if name == "text_classification" else 0.8
         self.fork = make_fork(root, name)
+        self.config = without_the_gpts_keys(root / "tiny.yaml")
         self.data = example_args(name, root)
         self.main = self.fork / "train" / "main.py"
         self.torch_ddp = self.fork / "train" / "torch_ddp.py"
@@ -172,7 +190,7 @@ class Example:
         values = dict(max_steps=self.steps, save_every=half, eval_every=half, warmup_steps=2)
         values["batch_size"] = 4
         values.update(overrides)
-        return [*tiny_args(output_dir, Path("unused"), **values), *self.data]
+        return [*tiny_args(output_dir, Path("unused"), config=self.config, **values), *self.data]
 
 
 @pytest.fixture(
