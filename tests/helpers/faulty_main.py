@@ -272,7 +272,7 @@ def inject_disk_full(step: int) -> None:
 
     def log(self, at_step, metrics):
         if at_step == step and self.enabled and armed():
-            raise OSError(28, "No space left on device", str(self.output_dir / "metrics.jsonl"))
+            raise OSError(28, "No space left on device", str(self.folder.path("metrics")))
         return original_log(self, at_step, metrics)
 
     tracking.MetricsLogger.log = log
