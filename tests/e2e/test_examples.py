@@ -277,7 +277,11 @@ def test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set(exam
 def test_a_preemption_then_a_killed_rank_each_resume_to_the_same_bits(example, trained):
     """One run through both faults: SIGTERM to every rank at step 5, a checkpoint at 5, exit 75;
     --resume latest, then a SIGKILL of rank 1 three steps after the mid-run checkpoint, the job
-    fails, that checkpoint stays; --resume latest again ends bitwise as the baseline."""
+    fails, that checkpoint stays; --resume latest again ends bitwise as the baseline. The
+    classifiers' data (decoded images, padded texts) and models; the GRU's task and data path are
+    the shipped LM's (packed blocks, lm.py's loss), whose resumes tests/e2e/test_resume.py holds."""
+    if example.name == "gru_language_model":
+        pytest.skip("a causal LM's packed blocks resume as the shipped LM's do (test_resume.py)")
     run_dir = example.root / "faulted_run"
     args = example.args(run_dir)
     env = {"FAULT_STEP": 5, "FAULT_ACTION": "sigterm", "FAULT_ONCE": example.root / "sigterm.once"}

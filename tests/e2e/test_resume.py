@@ -96,7 +96,9 @@ def signal_at_step(job: subprocess.Popen, run_dir, step: int, signum: int) -> tu
             os.killpg(job.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("launcher_name", ["accelerate", "torchrun"])
+# one launcher each (the stops are the same code on both paths, stopping.py): this test accelerate's and
+# main.py's, the kill -9 below torchrun's and the torch path's; both branches are kept for a fork to widen
+@pytest.mark.parametrize("launcher_name", ["accelerate"])
 def test_sigterm_to_the_launcher_with_loader_workers_checkpoints_and_resumes_exactly(
     tmp_path, corpus, baseline, launcher_name
 ):
@@ -162,7 +164,7 @@ def alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited: only its exit status is left
 
 
-@pytest.mark.parametrize("launcher_name", ["accelerate", "torchrun"])
+@pytest.mark.parametrize("launcher_name", ["torchrun"])
 def test_a_launcher_killed_with_kill_9_leaves_no_worker_and_the_run_resumes_exactly(
     tmp_path, corpus, baseline, launcher_name
 ):
@@ -172,12 +174,16 @@ def test_a_launcher_killed_with_kill_9_leaves_no_worker_and_the_run_resumes_exac
     launcher is gone, stop together at the next logging step with a checkpoint, and exit, freeing the run
     folder; the next --resume latest continues bitwise."""
     run_dir = tmp_path / "run"
-    cmd = accelerate_cmd(baseline_args(run_dir, corpus), script=FAULTY_MAIN)
+    # 24 steps of a second: orphans would run 20 s more
+    env = base_env(tmp_path, FAULT_SLOW_S=1.0)
+    if launcher_name == "accelerate":
+        cmd = accelerate_cmd(baseline_args(run_dir, corpus), script=FAULTY_MAIN)
+    else:
+        cmd = torchrun_cmd(baseline_args(run_dir, corpus), script=FAULTY_MAIN)
+        env["FAULTY_ENTRY"] = "torch_ddp"
     launcher = subprocess.Popen(
         cmd,
-        env=base_env(
-            tmp_path, FAULT_SLOW_S=1.0
-        ),  # 24 steps of a second: orphans would run 20 s more
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
