@@ -8,6 +8,7 @@ restarted on empty ones. The optional install they need: pip install -r requirem
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -224,7 +225,10 @@ def test_two_nodes_each_staging_its_own_files_resume_from_the_bucket_after_both_
 
     outputs = finish(start_nodes("restarted", ["--resume", "latest"]))
     for rank, text in enumerate(outputs):
-        assert "Traceback" not in text, f"node {rank}:\n{text[-3000:]}"
+        # torch elastic's agents log their own exit barrier's failure (a race between the two
+        # launchers once the job is done, theirs): only the job's processes must show no traceback
+        own = [line for line in text.splitlines() if not ELASTIC_AGENT_LOG.match(line)]
+        assert not [line for line in own if "Traceback" in line], f"node {rank}:\n{text[-3000:]}"
     assert f"resume: {url}/checkpoints/step_00000004 (step 4)" in outputs[0]
     manifest = json.loads(
         s3.client.get_object(Bucket=BUCKET, Key=f"{run}/checkpoints/step_00000008/manifest.json")[
@@ -299,6 +303,10 @@ def the_job_s_own_lines(output: str) -> list[str]:
         ):
             return lines[:i]
     return lines
+
+
+# a line torch elastic's agent logs (the launcher's, not the job's): "E1126 22:01:58.914000 3311 site-packages/torch/..."
+ELASTIC_AGENT_LOG = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/")
 
 
 def assert_one_line_and_no_traceback(result, *expected: str) -> str:
