@@ -305,7 +305,8 @@ def the_job_s_own_lines(output: str) -> list[str]:
     return lines
 
 
-# a line torch elastic's agent logs (the launcher's, not the job's): "E1126 22:01:58.914000 3311 site-packages/torch/..."
+# a line torch elastic's agent logs (the launcher's, not the job's):
+# "E1126 22:01:58.914000 3311 site-packages/torch/distributed/elastic/..."
 ELASTIC_AGENT_LOG = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/")
 
 
