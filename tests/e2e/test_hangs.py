@@ -16,7 +16,9 @@ STEP_TIMEOUT_S = 5
 DIST_TIMEOUT_S = 200
 
 
-@pytest.mark.parametrize("launcher_name", ["accelerate", "torchrun"])
+# accelerate launch and main.py: the watch is the same code on the torch path (hangs.py, through
+# main.train); the torchrun branch is kept for a fork to widen
+@pytest.mark.parametrize("launcher_name", ["accelerate"])
 def test_a_rank_whose_data_never_comes_is_named_and_every_rank_exits(
     tmp_path, corpus, launcher_name
 ):
