@@ -8,9 +8,10 @@
     torchrun --nproc_per_node 8 train/main.py --fsdp full --mixed_precision bf16         # the same, any launcher
     ... train/main.py --resume latest                                     # continue where the last run stopped
 
-Flags are the keys of config.TrainConfig (`--help` lists them). The same loop runs without
-Accelerate in torch_ddp.py (torchrun), for comparison. To train your own model and data, replace
-model.py and data.py with your own; nothing here should need to change.
+Flags are the keys of config.TrainConfig and of your model.py's and data.py's own dataclasses
+(`--help` lists them). The same loop runs without Accelerate in torch_ddp.py (torchrun), for
+comparison. To train your own model and data, replace model.py and data.py with your own (task.py
+is where the template reaches them); nothing here should need to change.
 """
 
 from __future__ import annotations
