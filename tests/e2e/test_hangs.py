@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import FAULTY_MAIN, launch_accelerate, launch_torchrun, read_metrics, tiny_args
+from conftest import FAULTY_MAIN, launch_accelerate, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -16,25 +16,20 @@ STEP_TIMEOUT_S = 5
 DIST_TIMEOUT_S = 200
 
 
-# accelerate launch and main.py: the watch is the same code on the torch path (hangs.py, through
-# main.train); the torchrun branch is kept for a fork to widen
-@pytest.mark.parametrize("launcher_name", ["accelerate"])
-def test_a_rank_whose_data_never_comes_is_named_and_every_rank_exits(
-    tmp_path, corpus, launcher_name
-):
-    """Rank 1's 7th batch (step 7) never comes; rank 0 waits in the gradient all-reduce of step 7
+def test_a_rank_whose_data_never_comes_is_named_and_every_rank_exits(tmp_path, corpus):
+    """accelerate launch and main.py (the watch is the same code on the torch path: hangs.py, through
+    main.train). Rank 1's 7th batch (step 7) never comes; rank 0 waits in the gradient all-reduce of step 7
     for step_timeout_s. The job ends long before dist_timeout_s, its one error line names rank 1 and
     where it was, and each rank's note is in hangs/, rank 1's with the stack where it is stuck."""
     run_dir = tmp_path / "run"
     args = tiny_args(
         run_dir, corpus, step_timeout_s=STEP_TIMEOUT_S, dist_timeout_s=DIST_TIMEOUT_S, log_every=2
     )
-    launch = launch_accelerate if launcher_name == "accelerate" else launch_torchrun
     extra = {"FAULT_HANG_BATCH": 7, "FAULT_RANK": 1}
-    if launcher_name == "torchrun":
-        extra["FAULTY_ENTRY"] = "torch_ddp"
     started = time.monotonic()
-    hung = launch(args, tmp_path, script=FAULTY_MAIN, env_extra=extra, timeout=DIST_TIMEOUT_S)
+    hung = launch_accelerate(
+        args, tmp_path, script=FAULTY_MAIN, env_extra=extra, timeout=DIST_TIMEOUT_S
+    )
     took = time.monotonic() - started
     assert hung.returncode != 0
     assert took < DIST_TIMEOUT_S / 2, f"took {took:.0f} s: the start-up timeout applied"

@@ -25,7 +25,6 @@ from conftest import (
     base_env,
     baseline_args,
     launch_accelerate,
-    launch_torchrun,
     read_metrics,
     run,
     run_python,
@@ -322,11 +321,8 @@ def test_without_output_dir_each_run_gets_a_new_numbered_folder(tmp_path, corpus
 
 
 # accelerate launch's --max_restarts (torch elastic's agent, as torchrun's --max-restarts; torchrun's restart of
-# a pod: tests/e2e/test_engine_runs.py); the torchrun branch is kept for a fork to widen
-@pytest.mark.parametrize("launcher", ["accelerate"])
-def test_the_launcher_restarts_killed_workers_and_they_resume_exactly(
-    tmp_path, corpus, baseline, launcher
-):
+# a pod: tests/e2e/test_engine_runs.py)
+def test_the_launcher_restarts_killed_workers_and_they_resume_exactly(tmp_path, corpus, baseline):
     run_dir = tmp_path / "run"
     args = [*baseline_args(run_dir, corpus), "--resume", "latest"]
     fault = {
@@ -335,23 +331,12 @@ def test_the_launcher_restarts_killed_workers_and_they_resume_exactly(
         "FAULT_ACTION": "sigkill",
         "FAULT_ONCE": tmp_path / "once",
     }
-    if launcher == "accelerate":
-        restarted = launch_accelerate(
-            args,
-            tmp_path,
-            script=FAULTY_MAIN,
-            env_extra=fault,
-            launcher_args=["--max_restarts", "2"],
-        ).check()
-        assert "resume: " in restarted.output and "(step 8)" in restarted.output, restarted.tail()
-        assert_matches_baseline(run_dir, baseline)
-    else:  # the torch path is bitwise the Accelerate path: the same reference
-        restarted = launch_torchrun(
-            args,
-            tmp_path,
-            script=FAULTY_MAIN,
-            env_extra={**fault, "FAULTY_ENTRY": "torch_ddp"},
-            launcher_args=["--standalone", "--max-restarts", "2"],
-        ).check()
-        assert "(step 8)" in restarted.output, restarted.tail()
-        assert_matches_baseline(run_dir, baseline)
+    restarted = launch_accelerate(
+        args,
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra=fault,
+        launcher_args=["--max_restarts", "2"],
+    ).check()
+    assert "resume: " in restarted.output and "(step 8)" in restarted.output, restarted.tail()
+    assert_matches_baseline(run_dir, baseline)

@@ -20,7 +20,6 @@ from conftest import (
     base_env,
     baseline_args,
     launch_accelerate,
-    launch_torchrun,
     read_metrics,
     run_python,
     tiny_args,
@@ -97,23 +96,18 @@ def signal_at_step(job: subprocess.Popen, run_dir, step: int, signum: int) -> tu
 
 
 # one launcher each (the stops are the same code on both paths, stopping.py): this test accelerate's and
-# main.py's, the kill -9 below torchrun's and the torch path's; both branches are kept for a fork to widen
-@pytest.mark.parametrize("launcher_name", ["accelerate"])
+# main.py's, the kill -9 below torchrun's and the torch path's
 def test_sigterm_to_the_launcher_with_loader_workers_checkpoints_and_resumes_exactly(
-    tmp_path, corpus, baseline, launcher_name
+    tmp_path, corpus, baseline
 ):
     """What SLURM or Kubernetes does to a job, on the setting GPU jobs use (DataLoader workers): SIGTERM to
     the launcher's process group. Torch elastic passes it on to each worker's process group, loader workers
     included; they leave it to their training process, which checkpoints at the next logging step and exits
-    75. accelerate launch runs main.py, torchrun the torch path; each resumes bitwise."""
+    75, and the run resumes bitwise (accelerate launch, main.py)."""
     run_dir = tmp_path / "run"
     args = baseline_args(run_dir, corpus, num_workers=2)
     env = base_env(tmp_path, RECORD_EXIT=tmp_path / "exits")
-    if launcher_name == "accelerate":
-        cmd = accelerate_cmd(args, script=FAULTY_MAIN)
-    else:
-        cmd = torchrun_cmd(args, script=FAULTY_MAIN)
-        env["FAULTY_ENTRY"] = "torch_ddp"
+    cmd = accelerate_cmd(args, script=FAULTY_MAIN)
     output, took = signal_at_step(launch_in_background(cmd, env), run_dir, 5, signal.SIGTERM)
     # inside torch elastic's 30 s before it SIGKILLs workers
     assert took < 25, f"took {took:.1f}s to stop"
@@ -124,10 +118,7 @@ def test_sigterm_to_the_launcher_with_loader_workers_checkpoints_and_resumes_exa
     assert 5 <= marker["step"] < 24, output[-2000:]
     assert (run_dir / "checkpoints" / f"step_{marker['step']:08d}" / "manifest.json").exists()
     resume_args = [*args, "--resume", "latest"]
-    if launcher_name == "accelerate":
-        resumed = launch_accelerate(resume_args, tmp_path).check()
-    else:
-        resumed = launch_torchrun(resume_args, tmp_path).check()
+    resumed = launch_accelerate(resume_args, tmp_path).check()
     assert f"(step {marker['step']})" in resumed.output
     assert not (run_dir / "preempted.json").exists()  # the requeued run clears the marker
     launches = json.loads((run_dir / "run_info.json").read_text())["launches"]
@@ -164,23 +155,19 @@ def alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited: only its exit status is left
 
 
-@pytest.mark.parametrize("launcher_name", ["torchrun"])
 def test_a_launcher_killed_with_kill_9_leaves_no_worker_and_the_run_resumes_exactly(
-    tmp_path, corpus, baseline, launcher_name
+    tmp_path, corpus, baseline
 ):
-    """kill -9 of the launcher's whole process group (an OOM kill, a lost terminal), accelerate launch or
-    torchrun (the torch path; resumed here by accelerate launch, bitwise all the same): torch elastic starts
+    """kill -9 of the launcher's whole process group (an OOM kill, a lost terminal), here torchrun
+    running the torch path (resumed by accelerate launch, bitwise all the same): torch elastic starts
     each worker in a session of its own, so the workers survive it. They notice within a second that their
     launcher is gone, stop together at the next logging step with a checkpoint, and exit, freeing the run
     folder; the next --resume latest continues bitwise."""
     run_dir = tmp_path / "run"
     # 24 steps of a second: orphans would run 20 s more
     env = base_env(tmp_path, FAULT_SLOW_S=1.0)
-    if launcher_name == "accelerate":
-        cmd = accelerate_cmd(baseline_args(run_dir, corpus), script=FAULTY_MAIN)
-    else:
-        cmd = torchrun_cmd(baseline_args(run_dir, corpus), script=FAULTY_MAIN)
-        env["FAULTY_ENTRY"] = "torch_ddp"
+    cmd = torchrun_cmd(baseline_args(run_dir, corpus), script=FAULTY_MAIN)
+    env["FAULTY_ENTRY"] = "torch_ddp"
     launcher = subprocess.Popen(
         cmd,
         env=env,
