@@ -2,6 +2,10 @@
 
     python scripts/sample.py runs/run_001 --prompt "def main(" --max_new_tokens 200 --temperature 0.8 --top_k 40
     python scripts/sample.py runs/run_001/checkpoints/step_00000200 --seed 1
+    python scripts/sample.py runs/chat_001 --chat "How do I reverse a list?" --temperature 0   # a chat model
+
+With --chat the prompt is a user's message: it goes through the tokenizer's chat template (an
+assistant's turn follows), and the answer ends at the end of the assistant's turn.
 
 The built-in GPT and Hugging Face models alike, with the run's own tokenizer (bytes or Hugging Face). The same
 seed gives the same text. A sharded (FSDP) checkpoint is made one file first with scripts/consolidate.py.
@@ -47,9 +51,15 @@ def generate(
     temperature: float,
     top_k: int,
     seed: int,
+    chat: bool = False,
 ) -> str:
-    """Sample `max_new_tokens` after the prompt (an empty prompt starts a new document). temperature 0: greedy."""
-    if tokenizer is None:
+    """Sample `max_new_tokens` after the prompt (an empty prompt starts a new document). temperature 0: greedy.
+    chat: the prompt is a user's message, through the chat template; the answer stops at the end of its turn."""
+    stop_ids = set()
+    if chat:
+        ids = chat_prompt(tokenizer, prompt)
+        stop_ids = end_of_turn_ids(tokenizer)
+    elif tokenizer is None:
         ids = list(prompt.encode("utf-8")) or [ord("\n")]
     else:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
@@ -63,11 +73,40 @@ def generate(
             if top_k:
                 logits[logits < logits.topk(min(top_k, logits.numel())).values[-1]] = -torch.inf
             next_id = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+        if next_id.item() in stop_ids:
+            break
         tokens = torch.cat([tokens, next_id.view(1, 1)], dim=1)
     new = tokens[0, len(ids) :].tolist()
     return (
         bytes(new).decode("utf-8", errors="replace") if tokenizer is None else tokenizer.decode(new)
     )
+
+
+def chat_prompt(tokenizer, message: str) -> list[int]:
+    """A user's message as the chat template writes it, with the assistant's turn begun."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "--chat needs the run's tokenizer to have a chat template (a chat fine-tuning run's has "
+            "one: examples/chat_sft); without --chat the prompt is continued as text"
+        )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The tokens that end an assistant's turn: what the template writes after a reply (its first
+    special token there, e.g. <|im_end|>), and EOS."""
+    replied = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    asked = tokenizer.apply_chat_template(replied[:1], add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template(replied, tokenize=False)
+    after_reply = whole[len(asked) :].split("!", 1)[-1]
+    special = set(tokenizer.all_special_ids)
+    ending = [
+        i for i in tokenizer(after_reply, add_special_tokens=False)["input_ids"] if i in special
+    ]
+    return {*ending[:1], tokenizer.eos_token_id} - {None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,11 +125,18 @@ def main(argv: list[str] | None = None) -> None:
         "--top_k", type=int, default=40, help="sample among the k likeliest tokens; 0: all"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user's message: through the chat template, the reply alone printed",
+    )
     args = parser.parse_args(argv)
     if args.temperature < 0 or args.top_k < 0 or args.max_new_tokens < 0:
         parser.error("temperature, top_k and max_new_tokens must be >= 0")
     try:
         cfg, model, tokenizer = load_trained(args.folder)
+        if args.chat:
+            chat_prompt(tokenizer, "")  # the tokenizer has a chat template
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if not predicts_next_tokens(model):
@@ -100,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             "classifier's are); evaluate it with its task's metrics instead"
         )
     print(
-        args.prompt
+        ("" if args.chat else args.prompt)
         + generate(
             model,
             tokenizer,
@@ -110,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             args.temperature,
             args.top_k,
             args.seed,
+            chat=args.chat,
         )
     )
 

@@ -7,6 +7,8 @@ rather than inventing a config, and train on a small local text file so each lau
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
 import re
@@ -87,6 +89,40 @@ def tiny_args(output_dir: Path, dataset: Path, config: Path = TINY, **overrides)
     for key, value in values.items():
         args += [f"--{key}", str(value)]
     return args
+
+
+def fork_with(root: Path, model_py: Path, data_py: Path) -> Path:
+    """A copy of the repository (its git-tracked files) in root/fork, with train/model.py and
+    train/data.py replaced by these, as a fork installs its own task."""
+    fork = root / "fork"
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    files = listed.stdout.split() if listed.returncode == 0 else []
+    if not files:  # not a git checkout: the folders a fork has
+        folders = ("train", "tests", "data", "accelerate_configs", "examples")
+        files = [
+            str(p.relative_to(REPO)) for f in folders for p in (REPO / f).rglob("*") if p.is_file()
+        ]
+    for name in files:
+        if "__pycache__" in name or not (REPO / name).is_file():
+            continue
+        (fork / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, fork / name)
+    shutil.copy(model_py, fork / "train" / "model.py")
+    shutil.copy(data_py, fork / "train" / "data.py")
+    return fork
+
+
+def without_the_gpts_keys(path: Path) -> Path:
+    """The tiny preset without the shipped GPT's own keys (model.py's ModelConfig: n_layer, n_embd,
+    ...), which a fork's model.py does not declare: refused as unknown keys, as they should be."""
+    import yaml
+
+    preset = yaml.safe_load(TINY.read_text())
+    # train/model.py's own keys, on the tests' path (a fork's model.py may declare none)
+    own = getattr(importlib.import_module("model"), "ModelConfig", None)
+    gpt_keys = {field.name for field in dataclasses.fields(own)} if own else set()
+    path.write_text(yaml.safe_dump({k: v for k, v in preset.items() if k not in gpt_keys}))
+    return path
 
 
 # the last line of a worker's traceback
@@ -390,7 +426,7 @@ def bpe_tokenizer(tmp_path_factory, corpus) -> Path:
     return folder
 
 
-def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0) -> Path:
+def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0, positions: int = 64) -> Path:
     """A 2-layer Llama-style causal LM made from a config (41 k parameters), saved as a Hugging Face model folder."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -401,7 +437,7 @@ def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0) -> Path:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
     )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -415,6 +451,82 @@ def tiny_llama(tmp_path_factory, bpe_tokenizer) -> Path:
     return save_tiny_llama(
         tmp_path_factory.mktemp("llama"), len(AutoTokenizer.from_pretrained(bpe_tokenizer))
     )
+
+
+# ChatML, as many instruct models write it, with {% generation %} around what the assistant says:
+# transformers' return_assistant_tokens_mask reads those marks, an independent view of the tokens
+# examples/chat_sft/data.py counts (it finds them itself, turn by turn)
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}"
+    "{%- else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory, bpe_tokenizer) -> Path:
+    """The BPE tokenizer with ChatML's two special tokens and a chat template, saved as a folder."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    folder = tmp_path_factory.mktemp("chat_tokenizer")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chat_llama(tmp_path_factory, chat_tokenizer) -> Path:
+    """A tiny Llama sized to the chat tokenizer, with its tokenizer beside it (as a hub checkpoint is):
+    --hf_model FOLDER alone is enough."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    # 128 positions: the test conversations are up to ~110 tokens
+    folder = save_tiny_llama(tmp_path_factory.mktemp("chat_llama"), len(tokenizer), positions=128)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_chats(path: Path, n: int = 96) -> Path:
+    """Learnable conversations as chat JSON lines: the user gives a word and an instruction, the
+    assistant answers it reversed or upper-cased; some with a system turn, some with two exchanges,
+    of different lengths (so micro-batches count different numbers of assistant tokens)."""
+    import random
+
+    rng = random.Random(0)
+    words = [
+        "alpha",
+        "river",
+        "stone",
+        "cloud",
+        "maple",
+        "tiger",
+        "ocean",
+        "ember",
+        "lunar",
+        "pixel",
+    ]
+    with open(path, "w") as f:
+        for i in range(n):
+            messages = []
+            if i % 3 == 0:
+                messages.append({"role": "system", "content": "Be brief."})
+            for _ in range(1 + (i % 4 == 0)):
+                word = " ".join(rng.choice(words) for _ in range(rng.randint(1, 2)))
+                if rng.random() < 0.5:
+                    messages.append({"role": "user", "content": f"reverse: {word}"})
+                    messages.append({"role": "assistant", "content": word[::-1]})
+                else:
+                    messages.append({"role": "user", "content": f"upper: {word}"})
+                    messages.append({"role": "assistant", "content": word.upper()})
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
 
 
 def model_declares_blocks() -> bool:

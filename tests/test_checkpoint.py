@@ -131,6 +131,7 @@ def test_round_trip_restores_every_part(tmp_path):
         "global_batch": 16,
         "block_size": 8,
         "optimizer": "adamw",
+        "lora_r": 0,
         **IDENTITY,
     }
     assert all(len(entry["xxh3_64"]) == 16 for entry in manifest["files"].values())

@@ -2,9 +2,12 @@
 at start-up, never a crash mid-training. A label cell that is empty or not an integer names the
 file, the line and the column; a label outside a dataset's classes likewise; an image folder with one
 class says so, an empty class folder is one warning line; a truncated image names its file (also
-when a DataLoader worker meets it)."""
+when a DataLoader worker meets it). The chat example: its masks against the chat template's own
+marks of the assistant's tokens, its packing, and its bad input (no chat columns, a conversation
+without an assistant turn, a tokenizer without a chat template)."""
 
 import importlib.util
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, write_chats
 from errors import ConfigError, the_line
 
 
@@ -36,6 +39,8 @@ class Cfg:
     eval_fraction: float = 0.34
     image_size: int = 32  # the image example's DataConfig
     max_length: int = 128  # the text example's DataConfig
+    tokenizer_name: str = "bytes"
+    block_size: int = 64
 
 
 def write_csv(path: Path, labels: list[str]) -> Path:
@@ -135,3 +140,115 @@ def test_a_truncated_image_names_its_file_also_from_a_loader_worker(tmp_path):
     with pytest.raises(Exception) as refused:
         next(iter(loader))
     assert the_line(refused.value).startswith(f"image {broken} cannot be read: ")
+
+
+# ---------------------------------------------------------------- the chat example (chat_sft)
+
+
+def test_chat_masks_count_exactly_the_assistant_s_tokens_as_the_template_marks_them(
+    tmp_path, chat_tokenizer
+):
+    """data.py finds the assistant's tokens turn by turn (prefixes of the rendering); the template's
+    {% generation %} marks, read by transformers, say the same, for every conversation."""
+    from transformers import AutoTokenizer
+
+    chat = example_data("chat_sft")
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    rows = [
+        json.loads(line) for line in write_chats(tmp_path / "chats.jsonl").read_text().splitlines()
+    ]
+    assert any(len(row["messages"]) > 3 for row in rows)  # multi-turn ones too
+    for row in rows:
+        input_ids, labels = chat.encode(row["messages"], tokenizer)
+        marked = tokenizer.apply_chat_template(
+            row["messages"], return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert input_ids == marked["input_ids"]
+        expected = [
+            t if m else -100 for t, m in zip(input_ids, marked["assistant_masks"], strict=True)
+        ]
+        assert labels == expected
+        assert sum(m for m in marked["assistant_masks"]) > 0
+
+
+def test_chat_packing_keeps_conversations_whole_in_order_with_their_own_positions(
+    tmp_path, chat_tokenizer
+):
+    from transformers import AutoTokenizer
+
+    chat = example_data("chat_sft")
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    rows = [
+        json.loads(line) for line in write_chats(tmp_path / "chats.jsonl").read_text().splitlines()
+    ]
+    encoded = [chat.encode(row["messages"], tokenizer) for row in rows[:40]]
+    block_size = 64
+    blocks = chat.pack_conversations(
+        {"messages": [row["messages"] for row in rows[:40]]}, tokenizer, block_size
+    )
+    assert all(len(ids) == block_size for ids in blocks["input_ids"])
+    # read back: a conversation starts where the positions restart at 0
+    found = []
+    for ids, labels, positions in zip(
+        blocks["input_ids"], blocks["labels"], blocks["position_ids"], strict=True
+    ):
+        starts = [i for i, p in enumerate(positions) if p == 0] + [block_size]
+        for start, end in zip(starts, starts[1:], strict=False):
+            found.append((ids[start:end], labels[start:end]))
+    # the last piece of each block is its padding (no label counts), unless the block is full
+    conversations = [piece for piece in found if any(label != -100 for label in piece[1])]
+    longer = [pair for pair in encoded if len(pair[0]) > block_size]
+    assert sum(blocks["cut"]) == len(longer)
+    expected = [(ids[:block_size], labels[:block_size]) for ids, labels in encoded]
+    # (a conversation cut before its first answer counts nothing: it is left out of both)
+    assert conversations == [pair for pair in expected if any(label != -100 for label in pair[1])]
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"text": "hello"}], "has neither a 'messages' column"),
+        (
+            [{"messages": [{"role": "user", "content": "hi"}]}],
+            "conversation 1 has no assistant turn",
+        ),
+        ([{"messages": [{"role": "user"}]}], "every message needs a 'role' and a 'content'"),
+    ],
+)
+def test_chat_data_without_conversations_is_one_line(tmp_path, chat_tokenizer, rows, message):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows * 4))
+    chat = example_data("chat_sft")
+    with pytest.raises(ConfigError) as error:
+        chat.build_datasets(Cfg(dataset=str(path), tokenizer_name=str(chat_tokenizer)))
+    assert message in the_line(error.value)
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_line(tmp_path, bpe_tokenizer):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "a", "response": "b"}) + "\n" for _ in range(4)))
+    chat = example_data("chat_sft")
+    with pytest.raises(ConfigError) as error:
+        chat.build_datasets(Cfg(dataset=str(path), tokenizer_name=str(bpe_tokenizer)))
+    assert "has no chat template" in the_line(error.value)
+
+
+def test_prompt_and_response_columns_are_one_exchange(tmp_path, chat_tokenizer):
+    path = tmp_path / "pairs.jsonl"
+    pairs = [{"prompt": f"upper: w{i}", "response": f"W{i}"} for i in range(12)]
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    chat = example_data("chat_sft")
+    train, held_out = chat.build_datasets(
+        Cfg(dataset=str(path), tokenizer_name=str(chat_tokenizer))
+    )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    counted = [
+        tokenizer.decode([t for t in block["labels"].tolist() if t != -100])
+        for part in (train, held_out)
+        for block in part
+    ]
+    answers = "".join(counted)
+    assert all(f"W{i}<|im_end|>" in answers for i in range(12))
+    assert "upper" not in answers

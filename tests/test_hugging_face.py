@@ -209,3 +209,32 @@ def test_sample_works_with_a_hugging_face_model_and_its_tokenizer(
         sample.generate(model, tokenizer, 32, "import", 12, 1.0, 0, 5) for _ in range(2)
     )
     assert first == again and isinstance(first, str)
+
+
+def test_sample_chats_through_the_template_and_stops_at_the_end_of_the_turn(chat_tokenizer):
+    """--chat: the message goes in as the template writes a user's turn with the assistant's begun,
+    and the reply ends before the template's end-of-turn token (or EOS), which is not printed."""
+    from transformers import AutoTokenizer
+
+    sample = sample_script()
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    written = "<|im_start|>user\nupper: alpha<|im_end|>\n<|im_start|>assistant\n"
+    expected = tokenizer(written, add_special_tokens=False)["input_ids"]
+    assert sample.chat_prompt(tokenizer, "upper: alpha") == expected
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert sample.end_of_turn_ids(tokenizer) == {end_of_turn, tokenizer.eos_token_id}
+    # a model that says "W", "X", then ends its turn, then would go on: the reply is "WX"
+    script = [*tokenizer("WX", add_special_tokens=False)["input_ids"], end_of_turn]
+    script += tokenizer("YZ", add_special_tokens=False)["input_ids"]
+
+    class Scripted(torch.nn.Module):
+        def forward(self, input_ids):
+            said = input_ids.shape[1] - len(expected)
+            logits = torch.zeros(1, input_ids.shape[1], len(tokenizer))
+            logits[0, -1, script[said]] = 1.0
+            return type("Output", (), {"logits": logits})
+
+    reply = sample.generate(Scripted(), tokenizer, 64, "upper: alpha", 10, 0.0, 0, 0, chat=True)
+    assert reply == "WX"
+    with pytest.raises(ConfigError, match="chat template"):
+        sample.chat_prompt(None, "hi")

@@ -60,6 +60,7 @@ def test_only_the_seam_reaches_the_fork_files_and_the_loop_uses_it_through_few_n
     assert used == {
         "training_model",
         "check_loss_contract",
+        "loss_weights",
         "evaluate",
         "tokens_per_sample",
         "build_model",
@@ -78,5 +79,6 @@ def test_the_error_vocabulary_and_the_config_import_nothing_of_the_template_abov
     # config.py reads the fork's own keys through the seam, which imports nothing above it
     assert set(imports_of("config")) == {"errors", "sources", "task", "run_folder"}
     assert set(imports_of("run_folder")) == {"errors"}
-    assert set(imports_of("task")) == {"errors", "blocks", "buffers"}
+    assert set(imports_of("task")) == {"errors", "blocks", "buffers", "adapters"}
+    assert set(imports_of("adapters")) == {"errors", "blocks"}
     assert set(imports_of("sources")) == {"errors"}

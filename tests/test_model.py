@@ -9,7 +9,7 @@ import torch
 from blocks import checkpoint_activations
 from config import config_class
 from lm import BYTE_VOCAB_SIZE as VOCAB_SIZE
-from lm import causal_lm_loss
+from lm import causal_lm_loss, counted_targets
 from model import build_model
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
@@ -32,19 +32,35 @@ def test_shapes_and_loss_at_init_is_uniform():
     assert abs(out.loss.item() - math.log(VOCAB_SIZE)) < 0.3
 
 
-def test_per_sample_loss_matches_mean_and_ignores_minus_100():
+def test_the_loss_is_the_mean_over_counted_tokens_and_bitwise_the_old_one_on_packed_blocks():
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 7)
-    labels = torch.randint(0, 7, (3, 5))
-    per_sample = causal_lm_loss(logits, labels)
-    reference = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, 7), labels[:, 1:].reshape(-1)
-    )
-    assert torch.allclose(per_sample.mean(), reference)
+    logits = torch.randn(3, 6, 7, dtype=torch.float64)
+    labels = torch.randint(0, 7, (3, 6))
     masked = labels.clone()
-    masked[0, 3:] = -100
-    expected = torch.nn.functional.cross_entropy(logits[0, :2], labels[0, 1:3])
-    assert torch.allclose(causal_lm_loss(logits, masked)[0], expected)
+    masked[0, :4] = -100  # a long prompt: 2 counted targets
+    masked[1, :2] = -100  # a short one: 4; the third sample counts all 5
+    # independent: every counted (position, next label) pair, one mean over all of them
+    pairs = [
+        (logits[i, t], masked[i, t + 1])
+        for i in range(3)
+        for t in range(5)
+        if masked[i, t + 1] != -100
+    ]
+    expected = torch.nn.functional.cross_entropy(
+        torch.stack([p for p, _ in pairs]), torch.stack([t for _, t in pairs])
+    )
+    assert len(pairs) == 11 == counted_targets(masked).item()
+    # the loss is computed in fp32 (logits.float())
+    assert abs(causal_lm_loss(logits, masked).item() - expected.item()) < 1e-6
+    # packed blocks, every sample counting the same: to the bit the mean of per-sample means
+    # that earlier versions trained on (their runs' losses stay bitwise)
+    logits32 = torch.randn(8, 33, 50)
+    blocks = torch.randint(0, 50, (8, 33))
+    per_token = torch.nn.functional.cross_entropy(
+        logits32[:, :-1].transpose(1, 2), blocks[:, 1:], reduction="none"
+    )
+    old = (per_token.sum(dim=1) / torch.full((8,), 32)).mean()
+    assert torch.equal(causal_lm_loss(logits32, blocks), old)
 
 
 @pytest.mark.parametrize("bias", [False, True])

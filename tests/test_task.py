@@ -44,11 +44,22 @@ def model_returning(loss_of):
 BATCH = {"pixels": torch.zeros(4, 1), "labels": torch.tensor([0, 1, 2, 1])}
 
 
-def check_contract(monkeypatch, model, eval_columns, eval_metrics):
-    """task.check_loss_contract with these as the fork's eval_columns and eval_metrics."""
+def check_contract(monkeypatch, model, eval_columns, eval_metrics, loss_items=None):
+    """task.check_loss_contract with these as the fork's eval_columns, eval_metrics and loss_items
+    (None: a classifier's, each micro-batch's mean weighs the same)."""
     monkeypatch.setattr(task, "eval_columns", eval_columns)
     monkeypatch.setattr(task, "eval_metrics", eval_metrics)
+    monkeypatch.setattr(task, "loss_counter", lambda: loss_items)
     task.check_loss_contract(model, BATCH, RunConfig())
+
+
+def test_loss_items_must_count_one_whole_number(monkeypatch):
+    agreeing = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
+    counted = lambda batch: torch.tensor(4)  # noqa: E731
+    check_contract(monkeypatch, agreeing, classifier_columns, classifier_metrics, counted)
+    weighed = lambda batch: torch.tensor(4.0)  # noqa: E731
+    with pytest.raises(ConfigError, match=r"loss_items\(batch\) must return how many items"):
+        check_contract(monkeypatch, agreeing, classifier_columns, classifier_metrics, weighed)
 
 
 def test_a_classifier_whose_loss_is_its_evaluations_passes_and_one_that_differs_is_refused(

@@ -41,6 +41,14 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from adapters import (
+    ADAPTER_FILE,
+    is_adapted,
+    merged_weights,
+    peft_format,
+    trainable_weights,
+    write_adapter_config,
+)
 from buffers import RankBuffers, ranks_keep_their_own, shared_buffers
 from errors import CheckpointError, first_line
 from hangs import patiently
@@ -127,6 +135,33 @@ class Weights:
         return StagedWeights(weights, tied)
 
 
+class Trainable(Weights):
+    """What trains of a module with adapters (adapters.py): the adapters' weights (and the buffers),
+    as <name>.safetensors. The frozen weights are not saved: a resume rebuilds them from their
+    source (the hub, --init_from, the seed) as the run's start did."""
+
+    def nbytes(self, ranks: range) -> int:
+        return tensor_bytes(trainable_weights(self.module))
+
+    def save(self, folder: Path, name: str, plumbing, writer: bool) -> None:
+        if writer:
+            save_safetensors(
+                cpu_copy(trainable_weights(self.module)), folder / f"{name}.safetensors"
+            )
+
+    def check(self, folder: Path, name: str, plumbing) -> None:
+        check_weights(folder / f"{name}.safetensors", self.module, trainable_weights(self.module))
+
+    def load(self, folder: Path, name: str, plumbing) -> None:
+        saved = load_file(str(folder / f"{name}.safetensors"))
+        with torch.no_grad():
+            for key, tensor in trainable_weights(self.module).items():
+                tensor.copy_(saved[key])
+
+    def snapshot(self, folder: Path, name: str, process_group) -> StagedWeights:
+        return StagedWeights(cpu_copy(trainable_weights(self.module)), {})
+
+
 class StagedWeights(Weights):
     """Weights copied to CPU memory at the step of the save: the file save_model would write."""
 
@@ -147,9 +182,11 @@ class Sharded:
 
     bound_to_world_size = False
 
-    def __init__(self, module, optimizer=None):
+    def __init__(self, module, optimizer=None, trainable_only: bool = False):
         self.module = module
         self.optimizer = optimizer
+        # a model with adapters: only what trains (Trainable's rule, shard by shard)
+        self.trainable_only = trainable_only
 
     def files(self, name: str, ranks: range) -> list[str]:
         return []  # DCP names its own files: the manifest lists what it wrote
@@ -161,8 +198,17 @@ class Sharded:
         )
 
         if self.optimizer is None:
-            return get_model_state_dict(self.module)
+            return get_model_state_dict(self.module, options=self._options())
         return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # not strict with adapters: load_state_dict gets the adapters only (DCP's load has already
+        # refused a checkpoint missing any of them)
+        return StateDictOptions(
+            ignore_frozen_params=self.trainable_only, strict=not self.trainable_only
+        )
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -171,7 +217,7 @@ class Sharded:
         )
 
         if self.optimizer is None:
-            set_model_state_dict(self.module, state)
+            set_model_state_dict(self.module, state, options=self._options())
         else:
             set_optimizer_state_dict(self.module, self.optimizer, state)
 
@@ -363,10 +409,15 @@ def checkpoint_parts(plumbing, model, optimizer, **others) -> dict:
     RNG, and fp16's loss scaler. A fork adds its own in
     one line, before the resume: parts["ema"] = ema_model."""
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
+    adapted = is_adapted(module)  # LoRA: only the adapters train, and are saved
     if is_sharded(module):  # no process holds all of it: each writes its shards
-        parts = {"model": Sharded(module), "optimizer": Sharded(module, optimizer)}
+        model_part = Sharded(module, trainable_only=adapted)
+        parts = {"model": model_part, "optimizer": Sharded(module, optimizer)}
     else:
-        parts = {"model": Weights(module), "optimizer": Plain(optimizer)}
+        parts = {
+            "model": Trainable(module) if adapted else Weights(module),
+            "optimizer": Plain(optimizer),
+        }
     if ranks_keep_their_own(model, plumbing.num_processes):
         # BatchNorm's running statistics without DDP's broadcast: each rank's own (buffers.py); on
         # another world size every rank starts from the model part's (rank 0's)
@@ -405,6 +456,8 @@ def run_geometry(plumbing, cfg) -> dict:
         "global_batch": cfg.global_batch(plumbing.num_processes),
         "block_size": cfg.block_size,
         "optimizer": cfg.optimizer,
+        # 0: every weight trains and is saved; else only LoRA adapters of this rank (adapters.py)
+        "lora_r": cfg.lora_r,
     }
 
 
@@ -474,9 +527,11 @@ def load_checkpoint(plumbing, folder: Path, parts: dict, same_world_size: bool) 
             ) from None
 
 
-def check_weights(path: Path, module: torch.nn.Module) -> None:
-    """Raise listing mismatched names/shapes, before load_state_dict copies any tensor."""
-    expected = module.state_dict()
+def check_weights(path: Path, module: torch.nn.Module, expected: dict | None = None) -> None:
+    """Raise listing mismatched names/shapes, before load_state_dict copies any tensor. `expected`:
+    the tensors the file must hold (default: the module's whole state)."""
+    if expected is None:
+        expected = module.state_dict()
     try:
         with safe_open(str(path), framework="pt") as f:
             shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
@@ -501,9 +556,17 @@ def check_weights(path: Path, module: torch.nn.Module) -> None:
 
 
 def load_weights_file(module: torch.nn.Module, path: Path) -> None:
-    """A weights file (checked first) into a module, sharded or not."""
-    check_weights(path, module)
-    if not is_sharded(module):
+    """A weights file (checked first) into a module, sharded or not. A module with LoRA adapters:
+    the file is the model's without them (an earlier run's export), loaded into the frozen
+    weights; the adapters keep their fresh start."""
+    adapted = is_adapted(module)
+    # a layer with an adapter keeps its own weight as <layer>.base_layer.weight
+    names = {name.replace(".base_layer.", "."): name for name in module.state_dict()}
+    without_adapters = {
+        plain: module.state_dict()[name] for plain, name in names.items() if ".lora_" not in name
+    }
+    check_weights(path, module, without_adapters if adapted else None)
+    if not is_sharded(module) and not adapted:
         load_model(module, str(path))
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -512,7 +575,9 @@ def load_weights_file(module: torch.nn.Module, path: Path) -> None:
     for group in tied_weights(module):  # the file holds one name of each tied group
         stored = next(weights[name] for name in group if name in weights)
         weights.update({name: stored for name in group})
-    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+    weights = {names.get(name, name): tensor for name, tensor in weights.items()}
+    options = StateDictOptions(full_state_dict=is_sharded(module), strict=not adapted)
+    set_model_state_dict(module, weights, options=options)
 
 
 def tied_weights(module) -> list[list[str]]:
@@ -531,13 +596,51 @@ def export_model(plumbing, model, cfg) -> Path:
     """The trained weights as model.safetensors in the run folder (this node's, for a run on object
     storage: uploaded with the run files), with the buffers the evaluations used (BatchNorm's
     statistics: rank 0's, or the ranks' mean; buffers.py)."""
+
+    def save_extras(folder):
+        save_tokenizer(cfg, folder)
+
+    adapted = is_adapted(plumbing.unwrap_model(model, keep_torch_compile=False))
     with shared_buffers(model, plumbing.num_processes):
-        return write_export(
-            plumbing, model, cfg.run_dir, lambda folder: save_tokenizer(cfg, folder)
-        )
+        if adapted and not cfg.merge_adapter:
+            return write_adapter(plumbing, model, cfg, save_extras)
+        return write_export(plumbing, model, cfg.run_dir, save_extras, merge_adapters=adapted)
 
 
-def write_export(plumbing, model, output_dir: str, save_extras=None) -> Path:
+def write_adapter(plumbing, model, cfg, save_extras) -> Path:
+    """A LoRA run's export: the adapter as peft saves it, adapter_model.safetensors and
+    adapter_config.json (naming the base model), with the tokenizer, in the run folder (collective:
+    a sharded adapter is gathered from every process first). PeftModel.from_pretrained(base model,
+    run folder) loads it."""
+    path = Path(cfg.run_dir) / ADAPTER_FILE
+    module = plumbing.unwrap_model(model, keep_torch_compile=False)
+    if is_sharded(module):
+        adapter = gathered_weights(module, trainable_only=True)
+    else:
+        adapter = cpu_copy(trainable_weights(module))
+
+    def write():
+        if not plumbing.is_main_process:
+            return
+        tmp = path.parent / "adapter.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write_adapter_config(tmp, module, cfg)
+        save_extras(tmp)
+        save_safetensors(peft_format(adapter), tmp / path.name)
+        for file in sorted(tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"):  # weights last
+            umask_mode(file)
+            os.replace(file, path.parent / file.name)
+        tmp.rmdir()
+
+    with patiently("the export"):
+        collectively(plumbing, f"exporting {path}", write)
+    return path
+
+
+def write_export(
+    plumbing, model, output_dir: str, save_extras=None, merge_adapters: bool = False
+) -> Path:
     """The trained weights as <output_dir>/model.safetensors, written by the main process
     (collective). A sharded model is gathered whole first, in the main process's CPU memory: the
     file is the same as an unsharded run's. A Hugging Face model is saved in its own layout too
@@ -548,7 +651,10 @@ def write_export(plumbing, model, output_dir: str, save_extras=None) -> Path:
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
     weights = module
     metadata = None
-    if is_sharded(module):
+    if merge_adapters:  # --merge_adapter: the weights a model without adapters loads
+        whole = gathered_weights(module) if is_sharded(module) else cpu_copy(module.state_dict())
+        weights, metadata = without_tied_copies(module, merged_weights(module, whole))
+    elif is_sharded(module):
         weights, metadata = full_weights(module)
 
     def write_safetensors():
@@ -583,10 +689,18 @@ def full_weights(module) -> tuple[dict, dict]:
     """A sharded model's whole state dict on the main process ({} elsewhere; collective), and the
     tied names left out, as save_model leaves them out (it keeps the first in sorted order and notes
     {dropped: kept})."""
+    return without_tied_copies(module, gathered_weights(module))
+
+
+def gathered_weights(module, trainable_only: bool = False) -> dict:
+    """A sharded model's whole state dict (or only what trains: its adapters) in the main process's
+    CPU memory, {} elsewhere (collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return without_tied_copies(module, get_model_state_dict(module, options=options))
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
+    )
+    return get_model_state_dict(module, options=options)
 
 
 def without_tied_copies(module, state: dict) -> tuple[dict, dict]:

@@ -104,6 +104,21 @@ class TrainConfig:
     model_weights: str = "pretrained"
     # "" = the hf_model's own (or bytes); bytes; or a Hugging Face tokenizer: hub name or folder
     tokenizer: str = ""
+    # ---- adapters (adapters.py; peft's LoRA)
+    # LoRA rank: > 0 trains low-rank adapters on the frozen model (only they sit in the optimizer
+    # and the checkpoints); 0 = every weight trains
+    lora_r: int = 0
+    # LoRA scale: the update is lora_alpha / lora_r x B A
+    lora_alpha: float = 16.0
+    # dropout on the adapters' input
+    lora_dropout: float = 0.0
+    # the linear layers that get an adapter, comma-separated module names (matched as peft does: the
+    # name or its last parts, e.g. q_proj,v_proj); "" = every linear layer in the transformer blocks
+    # (attention and MLP projections)
+    lora_targets: str = ""
+    # with lora_r: export the adapter merged into the weights, loaded as the base model is (else the
+    # adapter alone: adapter_model.safetensors + adapter_config.json, for PeftModel.from_pretrained)
+    merge_adapter: bool = False
     # torch.compile each transformer block, keeping the compiled code in the run folder for a resume
     # (compiling.py): auto = on with CUDA, off on CPU; true | false
     compile: str = "auto"
@@ -288,6 +303,10 @@ class TrainConfig:
         _require("dataset_split", self.dataset_split != "", "must not be empty", self.dataset_split)
         if self.optimizer == "muon" and self.fsdp != "no":
             raise ConfigError(MUON_UNDER_FSDP)
+        if self.lora_r:
+            _require("lora_alpha", self.lora_alpha > 0, "must be > 0", self.lora_alpha)
+        merging_needs_lora = not self.merge_adapter or self.lora_r > 0
+        _require("merge_adapter", merging_needs_lora, "needs lora_r > 0", self.merge_adapter)
         factor_ok = self.straggler_factor > 1
         _require("straggler_factor", factor_ok, "must be > 1", self.straggler_factor)
 
@@ -321,12 +340,14 @@ NON_NEGATIVE = (
     "muon_weight_decay",
     "eval_limit",
     "upload_timeout_s",
+    "lora_r",
 )
 INTERVALS = {  # key: (low, high, as the error shows it)
     "eval_fraction": (0, 1, "(0, 1)"),
     "beta1": (0, 1, "[0, 1)"),
     "beta2": (0, 1, "[0, 1)"),
     "muon_momentum": (0, 1, "[0, 1)"),
+    "lora_dropout": (0, 1, "[0, 1)"),
 }
 CHOICES = {
     "mixed_precision": ("", "no", "bf16", "fp16"),

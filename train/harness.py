@@ -21,14 +21,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model
 
+from adapters import ADAPTER_FILE, add_lora, from_peft_format, trainable_weights
 from checkpoint import check_weights
 from config import saved_config
 from errors import ConfigError
 from hangs import patiently
 from lm import load_tokenizer
 from plumbing import collectively
+from resume import init_weights
 from run_folder import LAYOUT, RunFolder
 
 INSTALL = "pip install -r requirements-eval.txt"
@@ -76,6 +79,10 @@ def load_trained(folder: Path, build_model):
         raise ConfigError(
             f"{folder} has no config.yaml: pass a run folder or one of its checkpoints"
         )
+    cfg = saved_config(folder / LAYOUT["config"])
+    if holds_adapter(folder):
+        model = adapted_model(folder, cfg, build_model)
+        return cfg, model.eval(), load_tokenizer(cfg.tokenizer_name)
     if not weights.is_file():
         hint = (
             f": its shards make one file with python scripts/consolidate.py {folder} OUT.safetensors"
@@ -83,13 +90,56 @@ def load_trained(folder: Path, build_model):
             else " (the run has not finished: pass a checkpoint)"
         )
         raise ConfigError(f"{folder} has no model.safetensors{hint}")
-    cfg = saved_config(folder / LAYOUT["config"])
     # the architecture only: the folder's weights replace the first
     cfg = replace(cfg, model_weights="config")
     model = build_model(cfg)
     check_weights(weights, model)  # another shape: one line naming what differs
     load_model(model, str(weights))
     return cfg, model.eval(), load_tokenizer(cfg.tokenizer_name)
+
+
+def holds_adapter(folder: Path) -> bool:
+    """A LoRA run's export (adapter_model.safetensors), or one of its checkpoints (whose model part
+    holds the adapters only); not a merged export, which loads as any model does."""
+    if (folder / ADAPTER_FILE).is_file():
+        return True
+    weights = folder / LAYOUT["export"]
+    if not weights.is_file():
+        return False
+    with safe_open(str(weights), framework="pt") as f:
+        return any(".lora_" in key for key in f.keys())
+
+
+def adapted_model(folder: Path, cfg, build_model):
+    """The base model, from where the run took it (the hub or a folder; --init_from's file), with
+    the folder's adapters on it."""
+    if not cfg.hf_model and not cfg.init_from:
+        raise ConfigError(
+            f"{folder} holds LoRA adapters on a model whose frozen weights were its random "
+            "initialisation: only the training run rebuilds those; export it with --merge_adapter"
+        )
+    model = add_lora(build_model(cfg), cfg)
+    if cfg.init_from:
+        init_weights(model, cfg.init_from)
+    if (folder / ADAPTER_FILE).is_file():
+        adapter = from_peft_format(load_file(str(folder / ADAPTER_FILE)))
+    else:
+        adapter = load_file(str(folder / LAYOUT["export"]))
+    check_weights_dict(adapter, trainable_weights(model), folder)
+    with torch.no_grad():
+        for name, tensor in trainable_weights(model).items():
+            tensor.copy_(adapter[name])
+    return model
+
+
+def check_weights_dict(saved: dict, expected: dict, folder: Path) -> None:
+    differ = sorted(set(saved) ^ set(expected))
+    differ += [k for k in expected if k in saved and saved[k].shape != expected[k].shape]
+    if differ:
+        raise ConfigError(
+            f"{folder}'s adapters do not fit the model its config.yaml builds (lora_r, "
+            f"lora_targets): {', '.join(differ[:3])}"
+        )
 
 
 def run_and_checkpoint(folder: Path) -> tuple[Path, dict]:

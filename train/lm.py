@@ -30,16 +30,26 @@ BYTE_VOCAB_SIZE = 256  # the "bytes" tokenizer: every UTF-8 byte is a token, not
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean next-token loss, (batch,). Position t predicts labels[t + 1]; -100 is
-    ignored."""
+    """The mean next-token loss over the batch's counted targets, a scalar: position t predicts
+    labels[t + 1], and a label of -100 (a masked prompt, padding) is not counted. A mean over
+    tokens, not over samples, so a sample weighs by the tokens it counts, as in the step's loss
+    (task.loss_weights, with `counted_targets` below as the count)."""
     # the targets move left, not the logits: the last position gets an ignored target, and the
     # logits are not copied (a sliced view would be, by reshape; 0.4 ms of a 100 ms CPU step)
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     flat_logits = logits.float().flatten(0, 1)
     per_token = F.cross_entropy(flat_logits, targets.flatten(), ignore_index=-100, reduction="none")
-    per_token = per_token.view_as(targets)
-    counted = (targets != -100).sum(dim=1).clamp(min=1)
-    return per_token.sum(dim=1) / counted
+    per_sample = per_token.view_as(targets).sum(dim=1)
+    # the sum over tokens / the count, written as the mean over samples of (a sample's sum / the
+    # mean count): where every sample counts the same (packed blocks) that is, to the bit, the mean
+    # of per-sample means this template computed before, so earlier runs' losses stay bitwise
+    mean_count = (targets != -100).sum().clamp(min=1) / targets.size(0)
+    return (per_sample / mean_count).mean()
+
+
+def counted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """How many next-token targets causal_lm_loss counts in a batch: model.py's `loss_items`."""
+    return (labels[:, 1:] != -100).sum()
 
 
 @torch.no_grad()

@@ -110,15 +110,19 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     model.train()
     while state.step < cfg.max_steps:
         step_loss = torch.zeros((), device=accelerator.device)
-        for _ in range(cfg.grad_accum_steps):
+        # the watch notes each phase (where a hang is) and times data and forward, what a rank
+        # does alone (a straggler)
+        with watch.timed("data"):
+            micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        # each micro-batch's share of the step, by the items (tokens) its loss counts against all
+        # the step's, on every rank: 1.0 each where they count the same (task.loss_weights)
+        weights = task.loss_weights(micro_batches, accelerator)
+        for batch, weight in zip(micro_batches, weights, strict=True):
             # DDP's gradient all-reduce runs on the last micro-step only
             with accelerator.accumulate(model):
-                # the watch notes each phase (where a hang is) and times data and forward, what a
-                # rank does alone (a straggler)
-                with watch.timed("data"):
-                    batch = next(batches)
                 with watch.timed("forward"):
                     loss = model(**batch).loss
+                loss = loss * weight.to(loss.dtype)
                 watch.at("backward")  # DDP's gradient all-reduce runs in it
                 accelerator.backward(loss)  # divides by grad_accum_steps (and scales, for fp16)
                 step_loss += loss.detach() / cfg.grad_accum_steps

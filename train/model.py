@@ -9,6 +9,10 @@ What the rest of train/ uses of it, and nothing else (task.py, the seam, checks 
     eval_metrics(sums, cfg) -> {name: float}: the reported metrics (logged as eval_<name>) from
         those sums. Where one of them is "loss", it is checked at start-up against the model's
         .loss on an eval batch.
+    loss_items(batch) (optional): how many items .loss averages over in the batch (here: tokens
+        not masked). With it, each optimizer step minimises the mean over all the step's items, so
+        a short answer's tokens weigh no more than a long one's, whatever the accumulation or world
+        size; without it, every micro-batch's mean weighs the same.
     tokens_per_sample(cfg) (optional): a sample's tokens, for tokens/s, tokens_seen and MFU.
     ModelConfig (optional): a dataclass of the model's own config keys, with a comment above each
         (its --help line). They are YAML keys and --flags like the template's, read as cfg.<key>.
@@ -40,6 +44,7 @@ import torch.nn.functional as F
 from errors import ConfigError
 from lm import (
     causal_lm_loss,
+    counted_targets,
     hugging_face_model,
     token_columns,
     token_metrics,
@@ -106,6 +111,13 @@ def eval_columns(output, batch: dict) -> dict:
 def eval_metrics(sums: dict, cfg) -> dict:
     """Per token over the eval set: loss and accuracy, and the perplexity (lm.token_metrics)."""
     return token_metrics(sums)
+
+
+def loss_items(batch: dict) -> torch.Tensor:
+    """How many items the model's .loss averages over in this batch: its counted next-token targets
+    (labels of -100 are not). The loop weighs each micro-batch by it, so the step's loss is the
+    mean over every token the step counts, on all ranks (task.loss_weights)."""
+    return counted_targets(batch["labels"])
 
 
 def tokens_per_sample(cfg) -> int:
@@ -221,5 +233,5 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels).mean()
+            loss = causal_lm_loss(logits, labels)
         return CausalLMOutput(loss=loss, logits=logits)

@@ -246,6 +246,9 @@ def check_same_run(folder: Path, about: dict, now: dict, cfg, identity: dict) ->
             f"{folder} was saved with optimizer {saved_optimizer}, this run uses {cfg.optimizer}: its "
             f"state would not fit; to switch, start a new run from its weights with --init_from {folder}"
         )
+    saved_rank = saved.get("lora_r", 0)  # checkpoints from before --lora_r
+    if saved_rank != cfg.lora_r:
+        raise CheckpointError(adapter_mismatch(folder, saved_rank, cfg.lora_r))
     if about["step"] > cfg.max_steps:
         raise CheckpointError(
             f"{folder} is at step {about['step']}, past max_steps {cfg.max_steps}: pass --max_steps "
@@ -262,6 +265,17 @@ def check_same_run(folder: Path, about: dict, now: dict, cfg, identity: dict) ->
             f"{folder} was saved for other data ({', '.join(changed)}): resuming would continue a different "
             f"data order; to change them on purpose, start a new run with --init_from {folder}"
         )
+
+
+def adapter_mismatch(folder, saved_rank: int, rank: int) -> str:
+    def what(r):
+        return f"LoRA adapters of rank {r} (lora_r {r})" if r else "every weight (lora_r 0)"
+
+    return (
+        f"{folder} was saved training {what(saved_rank)}, and this run trains {what(rank)}: its "
+        f"model and optimizer parts would not fit; resume with lora_r {saved_rank}, or start a new "
+        f"run from its weights with --init_from"
+    )
 
 
 def init_weights(module, source: str) -> Path:

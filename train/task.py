@@ -6,6 +6,10 @@ below, by these names (README "Make it yours"):
 
     model.py  build_model(cfg) -> nn.Module   forward(**batch) returns an object with .loss: what
                                               training minimises, a scalar (the mean over the batch)
+              loss_items(batch)               optional: how many items .loss averages over in this
+                                              batch (an LM: its counted tokens), so each step's loss
+                                              is the mean over all its items (loss_weights, below);
+                                              without it every micro-batch's mean weighs the same
               eval_columns(output, batch)     {name: tensor of shape (batch,)}: per-sample values the
                                               template sums over exactly the eval set (the copies that
                                               pad the last batches dropped, every rank the same sums)
@@ -34,10 +38,12 @@ import importlib
 import inspect
 import math
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from adapters import add_lora, check_targets_under_fsdp, target_names
 from blocks import checkpoint_activations
 from buffers import shared_buffers, sync_batchnorm
 from errors import ConfigError, first_line
@@ -91,6 +97,34 @@ def packer(cfg):
     return fork_file("data").packer(cfg)
 
 
+def loss_weights(micro_batches: list[dict], plumbing) -> torch.Tensor:
+    """Each micro-batch's weight in its optimizer step, float64 on the device, one per micro-batch.
+
+    The model's .loss is the mean over its micro-batch's items (model.py's `loss_items(batch)`:
+    an LM's counted tokens, fewer where prompts are masked). The step must minimise the mean over
+    all the items of all its micro-batches on all ranks, or a short answer's tokens weigh more than
+    a long one's and accumulation or another world size changes the gradient. The backward already
+    averages micro-batches (divides by grad_accum_steps) and DDP averages ranks, so micro-batch b
+    weighs items_b x ranks x micro-batches / the step's items: one all-reduce of one number per
+    step, before any backward. Where every micro-batch counts the same (packed blocks), each weight
+    is exactly 1.0 and nothing changes by a bit. A task without loss_items: 1.0 each."""
+    steps = len(micro_batches)
+    count = loss_counter()
+    if count is None:
+        return torch.ones(steps, dtype=torch.float64, device=plumbing.device)
+    items = torch.stack([torch.as_tensor(count(batch)).reshape(()) for batch in micro_batches])
+    items = items.to(device=plumbing.device, dtype=torch.int64)
+    step_items = plumbing.reduce(items.sum(), "sum")
+    # integers until the division: equal counts give exactly 1.0
+    share = items * plumbing.num_processes * steps
+    return share.double() / step_items.clamp(min=1).double()
+
+
+def loss_counter():
+    """model.py's `loss_items(batch)`, or None: the task does not say what its loss averages over."""
+    return getattr(fork_file("model"), "loss_items", None)
+
+
 def tokens_per_sample(cfg) -> int | None:
     """model.py's `tokens_per_sample(cfg)`, or None where the task counts no tokens (images)."""
     count = getattr(fork_file("model"), "tokens_per_sample", None)
@@ -119,10 +153,12 @@ def fork_settings() -> dict[str, type]:
 
 
 def training_model(cfg):
-    """model.py's model, with the template's options applied: BatchNorm over every rank's samples
-    (--sync_batchnorm; GPUs: checks.py), each block recomputed in backward
+    """model.py's model, with the template's options applied: LoRA adapters (--lora_r), BatchNorm
+    over every rank's samples (--sync_batchnorm; GPUs: checks.py), each block recomputed in backward
     (--activation_checkpointing)."""
     model = build_model(cfg)
+    if cfg.lora_r:  # the model frozen, LoRA adapters on its target layers train (adapters.py)
+        model = add_lora(model, cfg)
     if cfg.sync_batchnorm:
         model = sync_batchnorm(model)
     if cfg.activation_checkpointing:
@@ -179,6 +215,25 @@ def check_fork_files(cfg) -> None:
     model_checks = getattr(fork_file("model"), "check_config", None)
     if model_checks is not None:
         model_checks(cfg)
+    if cfg.lora_r:
+        check_adapters(cfg)
+
+
+def check_adapters(cfg) -> None:
+    """--lora_r: peft is installed, --lora_targets names linear layers of the model, and under FSDP
+    they lie in the blocks it shards. On the model built without memory (the meta device; a hub
+    model from its config alone), before any process group."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "lora_r: LoRA adapters need peft: pip install -r requirements.txt (peft is listed there)"
+        ) from None
+    with torch.device("meta"):
+        model = build_model(replace(cfg, model_weights="config"))
+    targets = target_names(model, cfg)
+    if cfg.fsdp != "no":
+        check_targets_under_fsdp(model, targets)
 
 
 def takes(function, arguments: tuple) -> bool:
@@ -218,6 +273,7 @@ def check_loss_contract(model, batch: dict, cfg) -> None:
             "train/model.py: the model's forward(**batch) must return an object whose .loss is the scalar "
             f"loss training minimises (got .loss = {type(loss).__name__})"
         )
+    check_loss_items(batch)
     reported = metrics.get("loss")
     if reported is None or math.isclose(loss.item(), reported, rel_tol=1e-3, abs_tol=1e-4):
         return
@@ -227,6 +283,25 @@ def check_loss_contract(model, batch: dict, cfg) -> None:
         f"number and evaluation report another (a causal LM: shift the labels by one, as "
         f"lm.causal_lm_loss does)"
     )
+
+
+def check_loss_items(batch: dict) -> None:
+    """model.py's loss_items, where it has one, counts: one whole number for the batch."""
+    count = loss_counter()
+    if count is None:
+        return
+    try:
+        items = torch.as_tensor(count(batch))
+    except Exception as e:
+        raise ConfigError(
+            f"{where_in_fork_files(e)}: loss_items(batch) failed on an eval batch: "
+            f"{type(e).__name__}: {first_line(e)}"
+        ) from None
+    if items.numel() != 1 or items.is_floating_point() or items.is_complex():
+        raise ConfigError(
+            "train/model.py: loss_items(batch) must return how many items .loss averages over, one "
+            f"whole number (got a {items.dtype} tensor of shape {tuple(items.shape)})"
+        )
 
 
 def check_columns(columns, samples: int) -> None:

@@ -63,5 +63,5 @@ class GRULanguageModel(nn.Module):
         logits = self.head(hidden)
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels).mean()
+            loss = causal_lm_loss(logits, labels)
         return Output(loss=loss, logits=logits)

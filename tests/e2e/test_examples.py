@@ -13,11 +13,8 @@ ranks and batches do not divide:
 """
 
 import csv
-import dataclasses
 import json
 import random
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,14 +24,15 @@ import torch
 
 from conftest import (
     REPO,
-    TINY,
     base_env,
+    fork_with,
     launch_accelerate,
     launch_torchrun,
     load_weights,
     read_metrics,
     run,
     tiny_args,
+    without_the_gpts_keys,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
@@ -47,39 +45,8 @@ INDEPENDENT_EVAL = REPO / "tests" / "helpers" / "independent_eval.py"
 
 
 def make_fork(root: Path, example: str) -> Path:
-    """A copy of the repository (its git-tracked files) with train/model.py and train/data.py replaced
-    by the example's."""
-    fork = root / "fork"
-    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
-    files = listed.stdout.split() if listed.returncode == 0 else []
-    if not files:  # not a git checkout: the folders a fork has
-        folders = ("train", "tests", "data", "accelerate_configs", "examples")
-        files = [
-            str(p.relative_to(REPO)) for f in folders for p in (REPO / f).rglob("*") if p.is_file()
-        ]
-    for name in files:
-        if "__pycache__" in name or not (REPO / name).is_file():
-            continue
-        (fork / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, fork / name)
-    for name in ("model.py", "data.py"):
-        shutil.copy(EXAMPLES / example / name, fork / "train" / name)
-    return fork
-
-
-def without_the_gpts_keys(path: Path) -> Path:
-    """The tiny preset without the shipped GPT's own keys (model.py's ModelConfig: n_layer, n_embd,
-    ...), which a fork's model.py does not declare: refused as unknown keys, as they should be."""
-    import importlib
-
-    import yaml
-
-    preset = yaml.safe_load(TINY.read_text())
-    # train/model.py's own keys, on the tests' path (a fork's model.py may declare none)
-    own = getattr(importlib.import_module("model"), "ModelConfig", None)
-    gpt_keys = {field.name for field in dataclasses.fields(own)} if own else set()
-    path.write_text(yaml.safe_dump({k: v for k, v in preset.items() if k not in gpt_keys}))
-    return path
+    """A copy of the repository with train/model.py and train/data.py replaced by the example's."""
+    return fork_with(root, EXAMPLES / example / "model.py", EXAMPLES / example / "data.py")
 
 
 def write_images(folder: Path) -> Path:

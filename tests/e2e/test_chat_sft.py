@@ -1,0 +1,137 @@
+"""Chat fine-tuning (examples/chat_sft) installed as a fork does: a Hugging Face causal LM (a tiny
+Llama folder with a ChatML tokenizer, made offline) on chat JSON lines, packed several conversations
+to a block, only the assistant's tokens counted, 2 processes and gradient accumulation 2 (micro-
+batches and ranks count different numbers of assistant tokens):
+    - it learns, and its eval loss and accuracy are an independent computation from the export
+      (AutoModelForCausalLM.from_pretrained of the run folder): each eval conversation alone, not
+      packed, through the chat template, counting the tokens the template's {% generation %} marks
+      (transformers' return_assistant_tokens_mask) over exactly the held-out conversations;
+    - the torch path (torchrun), one rank SIGKILLed after the mid-run checkpoint, then resumed,
+      ends with the same losses, evaluations and exported weights as the Accelerate run, to the bit.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (
+    FAULTY_MAIN,
+    REPO,
+    fork_with,
+    launch_accelerate,
+    launch_torchrun,
+    load_weights,
+    read_metrics,
+    tiny_args,
+    without_the_gpts_keys,
+    write_chats,
+)
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = REPO / "examples" / "chat_sft"
+STEPS = 16
+
+
+class ChatFork:
+    def __init__(self, root: Path, chat_llama: Path):
+        self.root = root
+        self.fork = fork_with(root, EXAMPLE / "model.py", EXAMPLE / "data.py")
+        self.config = without_the_gpts_keys(root / "tiny.yaml")
+        self.chats = write_chats(root / "chats.jsonl")
+        self.chat_llama = chat_llama
+
+    def args(self, output_dir: Path) -> list[str]:
+        values = dict(
+            hf_model=self.chat_llama,
+            block_size=128,
+            batch_size=2,
+            grad_accum_steps=2,
+            max_steps=STEPS,
+            save_every=STEPS // 2,
+            eval_every=STEPS // 2,
+            warmup_steps=2,
+            lr=3e-3,
+            eval_fraction=0.1,
+        )
+        return tiny_args(output_dir, self.chats, config=self.config, **values)
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory, chat_llama):
+    return ChatFork(tmp_path_factory.mktemp("chat_sft"), chat_llama)
+
+
+@pytest.fixture(scope="module")
+def trained(chat):
+    run_dir = chat.root / "baseline"
+    return launch_accelerate(
+        chat.args(run_dir), chat.root, script=chat.fork / "train" / "main.py"
+    ).check()
+
+
+def independent_eval(run_dir: Path, chats: Path) -> dict:
+    """Loss and accuracy per assistant token over the held-out conversations, one at a time."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(run_dir)
+    every = datasets.load_dataset("json", data_files={"train": [str(chats)]})["train"]
+    held_out = every.train_test_split(test_size=0.1, seed=0)["test"]  # data.py's split
+    loss, right, counted = 0.0, 0, 0
+    for messages in held_out["messages"]:
+        marked = tokenizer.apply_chat_template(
+            messages, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids = torch.tensor([marked["input_ids"]])
+        assert ids.shape[1] <= 128  # not cut: the whole conversation counts
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].double()
+        targets = ids[0, 1:]
+        mask = torch.tensor(marked["assistant_masks"][1:], dtype=torch.bool)
+        loss += torch.nn.functional.cross_entropy(
+            logits[mask], targets[mask], reduction="sum"
+        ).item()
+        right += (logits[mask].argmax(-1) == targets[mask]).sum().item()
+        counted += int(mask.sum())
+    return {"loss": loss / counted, "accuracy": right / counted, "tokens": counted}
+
+
+def test_it_learns_and_its_eval_is_per_assistant_token_over_exactly_the_held_out_conversations(
+    chat, trained
+):
+    rows = read_metrics(trained.output_dir)
+    evals = [row for row in rows if "eval_loss" in row]
+    losses = trained.losses()
+    assert evals[-1]["eval_loss"] < 0.7 * losses[1], (losses, evals)
+    independent = independent_eval(trained.output_dir, chat.chats)
+    assert independent["tokens"] > 50
+    assert evals[-1]["eval_loss"] == pytest.approx(independent["loss"], rel=1e-5)
+    assert evals[-1]["eval_accuracy"] == pytest.approx(independent["accuracy"], abs=1e-9)
+
+
+def test_the_torch_path_killed_and_resumed_ends_bitwise_as_the_accelerate_run(chat, trained):
+    run_dir = chat.root / "torch_path"
+    args = chat.args(run_dir)
+    env = {"FAULT_STEP": STEPS // 2 + 3, "FAULT_ACTION": "sigkill", "FAULT_RANK": 1}
+    env.update(FAULT_ONCE=chat.root / "sigkill.once", FAULTY_ENTRY="torch_ddp")
+    faulty = chat.fork / "tests" / "helpers" / FAULTY_MAIN.name
+    killed = launch_torchrun(args, chat.root, script=faulty, env_extra=env)
+    assert killed.returncode != 0
+    resumed = launch_torchrun(
+        [*args, "--resume", "latest"], chat.root, script=chat.fork / "train" / "torch_ddp.py"
+    ).check()
+    assert f"(step {STEPS // 2})" in resumed.output
+    expected = read_metrics(trained.output_dir)
+    written = read_metrics(run_dir)
+    assert {r["step"]: r["loss"] for r in written if "loss" in r} == trained.losses()
+    assert [r for r in written if "eval_loss" in r] == [r for r in expected if "eval_loss" in r]
+    weights = load_weights(run_dir / "model.safetensors")
+    baseline = load_weights(trained.output_dir / "model.safetensors")
+    assert weights.keys() == baseline.keys()
+    assert all(weights[key].equal(baseline[key]) for key in weights)
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
