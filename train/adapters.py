@@ -36,13 +36,14 @@ def add_lora(model: nn.Module, cfg) -> nn.Module:
 
 
 def lora_config(model: nn.Module, cfg, base_model: str | None = None):
+    """peft's LoraConfig for the model (without adapters yet)."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=target_names(model, cfg),
+        target_modules=target_names(model, cfg) if not is_adapted(model) else [],
         bias="none",
         base_model_name_or_path=base_model,
         task_type="CAUSAL_LM" if cfg.hf_model else None,
@@ -140,8 +141,13 @@ def merged_weights(model: nn.Module, weights: dict) -> dict:
 
 
 def write_adapter_config(folder, model: nn.Module, cfg) -> None:
-    """adapter_config.json, naming the base model (the hub name or folder it was fine-tuned from)."""
-    lora_config(model, cfg, base_model=cfg.hf_model or None).save_pretrained(str(folder))
+    """adapter_config.json: the layers that have an adapter, and the base model (the hub name or
+    folder it was fine-tuned from)."""
+    from peft.tuners.lora import LoraLayer
+
+    config = lora_config(model, cfg, base_model=cfg.hf_model or None)
+    config.target_modules = [name for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    config.save_pretrained(str(folder))
 
 
 def trainable_weights(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -624,7 +624,7 @@ def write_adapter(plumbing, model, cfg, save_extras) -> Path:
             return
         tmp = path.parent / "adapter.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        tmp.mkdir(parents=True)
         write_adapter_config(tmp, module, cfg)
         save_extras(tmp)
         save_safetensors(peft_format(adapter), tmp / path.name)

@@ -36,8 +36,8 @@ BETAS = (0.9, 0.95)
 STEP = dict(
     max_steps=1,
     lr=LR,
-    min_lr=LR / 10,
-    warmup_steps=1,  # the first step at lr itself
+    min_lr=LR,  # the first (only) step at lr itself
+    warmup_steps=0,
     beta1=BETAS[0],
     beta2=BETAS[1],
     weight_decay=0.0,
@@ -87,7 +87,8 @@ def fork(tmp_path_factory) -> Path:
 def check_against_independent(run, loss: float, grad_norm: float, weights: dict) -> None:
     row = next(row for row in run.metrics() if "loss" in row)
     assert row["step"] == 1
-    assert row["loss"] == pytest.approx(loss, rel=1e-12)
+    # logged through the loop's fp32 accumulator: fp32 rounding (a wrong weighting is off by percent)
+    assert row["loss"] == pytest.approx(loss, rel=1e-6)
     assert row["grad_norm"] == pytest.approx(grad_norm, rel=1e-12)
     exported = load_weights(run.output_dir / "model.safetensors")
     assert exported.keys() == weights.keys()

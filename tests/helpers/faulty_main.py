@@ -29,6 +29,8 @@ Environment variables, each optional, read once at start-up:
     FAULT_SLOW_DATA_S=s   every batch comes late on this rank (a straggler): s seconds, or 3 times the rank's own
                           time between two batches if longer (a slow model's step)
     RECORD_SAMPLES=dir    each rank writes the train sample indices (streaming: block ids) it drew to dir/rank{r}.json
+    RECORD_ADAPTERS=dir   after the resume (or the fresh start), each rank writes the adapter weights it holds
+                          (under FSDP: its own shards) to dir/rank{r}.pt
     RECORD_EXIT=dir       each rank writes the code it exits with to dir/rank{r}.json (a launcher stopped
                           by a signal reports none)
 """
@@ -340,6 +342,28 @@ def record_samples(folder: str) -> None:
     batches.content_digest = content_digest
 
 
+def record_adapters(folder: str) -> None:
+    """Each rank's own adapter tensors as the resume left them: a sharded one's local shard, which is what
+    accelerate PR #4206 found reset on all ranks but the first."""
+    import torch
+
+    original = main.resume_or_start
+
+    def resume_or_start(plumbing, cfg, parts, identity, log):
+        settled = original(plumbing, cfg, parts, identity, log)
+        module = parts["model"].module
+        held = {
+            name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for name, p in module.named_parameters()
+            if p.requires_grad
+        }
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        torch.save(held, Path(folder) / f"rank{RANK}.pt")
+        return settled
+
+    main.resume_or_start = resume_or_start
+
+
 if __name__ == "__main__":
     if "FAULT_STEP" in os.environ:
         inject_step_fault(int(os.environ["FAULT_STEP"]), os.environ.get("FAULT_ACTION", "sigterm"))
@@ -369,6 +393,8 @@ if __name__ == "__main__":
         delay_batches(float(os.environ["FAULT_SLOW_DATA_S"]), times_own_step=3.0)
     if "RECORD_SAMPLES" in os.environ:
         record_samples(os.environ["RECORD_SAMPLES"])
+    if "RECORD_ADAPTERS" in os.environ:
+        record_adapters(os.environ["RECORD_ADAPTERS"])
     entry = main.main
     if os.environ.get("FAULTY_ENTRY") == "torch_ddp":
         import torch_ddp

@@ -1,0 +1,138 @@
+"""LoRA adapters (--lora_r) on 2 processes, on the shipped GPT (its frozen weights from the seed):
+- FSDP2 (the torch path, torchrun; Accelerate's FSDP plugin needs GPUs): one rank SIGKILLed
+  after the step-8 checkpoint, then --resume latest. Each rank's own shards of every adapter
+  tensor after the resume equal the uninterrupted run's at step 8 (accelerate PR #4206: every
+  rank but the first got its adapter shards back at their initial values), and the run ends
+  with the uninterrupted run's losses and export, to the bit;
+- DDP (the Accelerate path): the same kill and resume, to the bit;
+- a checkpoint holds the adapters and their optimizer state only: against the same GPT's full
+  checkpoint (the shared baseline run's), its model and optimizer files are a small fraction.
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import (
+    FAULTY_MAIN,
+    NEEDS_BLOCKS,
+    baseline_args,
+    launch_accelerate,
+    launch_torchrun,
+    load_weights,
+    model_declares_blocks,
+    read_metrics,
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not model_declares_blocks(), reason=NEEDS_BLOCKS),
+]
+
+LORA = ["--lora_r", "4", "--lora_alpha", "8"]
+
+
+def lora_args(output_dir, corpus, *extra):
+    return [*baseline_args(output_dir, corpus, max_steps=16, eval_every=8), *LORA, *extra]
+
+
+def kill_rank_1_at_step_11_then_resume(tmp_path, args, launch, **launch_kw) -> None:
+    env = {"FAULT_STEP": 11, "FAULT_RANK": 1, "FAULT_ACTION": "sigkill"}
+    env.update(FAULT_ONCE=tmp_path / "once", RECORD_ADAPTERS=tmp_path / "adapters")
+    killed = launch(args, tmp_path, script=FAULTY_MAIN, env_extra={**env, **launch_kw})
+    assert killed.returncode != 0
+    resumed = launch(
+        [*args, "--resume", "latest"],
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={"RECORD_ADAPTERS": tmp_path / "adapters", **launch_kw},
+    ).check()
+    assert "(step 8)" in resumed.output
+
+
+def same_bits(run_dir, reference_dir) -> None:
+    """Every step's loss, and the exported adapter, as the uninterrupted run's."""
+    losses, expected = (
+        {row["step"]: row["loss"] for row in read_metrics(folder) if "loss" in row}
+        for folder in (run_dir, reference_dir)
+    )
+    assert losses == expected and len(losses) == 16
+    adapter, reference = (
+        load_weights(folder / "adapter_model.safetensors") for folder in (run_dir, reference_dir)
+    )
+    assert adapter.keys() == reference.keys() and adapter
+    assert all(torch.equal(adapter[name], reference[name]) for name in adapter)
+
+
+def step_8_adapters(run_dir, sharded: bool) -> dict:
+    """The uninterrupted run's adapter tensors at step 8, whole, read in this process."""
+    import task
+    from adapters import trainable_weights
+    from checkpoint import load_file
+    from config import saved_config
+
+    folder = run_dir / "checkpoints" / "step_00000008"
+    if not sharded:
+        return load_file(str(folder / "model.safetensors"))
+    import torch.distributed.checkpoint as dcp
+
+    model = task.training_model(saved_config(folder / "config.yaml"))
+    state = {"model": trainable_weights(model)}
+    dcp.load(state, checkpoint_id=folder / "model", no_dist=True)
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def lora_fsdp(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("lora_fsdp") / "run"
+    args = lora_args(out, corpus, "--fsdp", "full")
+    return launch_torchrun(args, out.parent).check()
+
+
+def test_fsdp_each_rank_gets_its_own_adapter_shards_back_and_the_run_ends_bitwise(
+    tmp_path, corpus, lora_fsdp
+):
+    run_dir = tmp_path / "run"
+    args = lora_args(run_dir, corpus, "--fsdp", "full")
+    kill_rank_1_at_step_11_then_resume(tmp_path, args, launch_torchrun, FAULTY_ENTRY="torch_ddp")
+    expected = step_8_adapters(lora_fsdp.output_dir, sharded=True)
+    assert expected and all(".lora_" in name for name in expected)
+    for rank in (0, 1):
+        held = torch.load(tmp_path / "adapters" / f"rank{rank}.pt", weights_only=True)
+        assert held.keys() == expected.keys()
+        for name, whole in expected.items():
+            # FSDP2 shards dim 0: rank r holds the r-th of 2 chunks
+            own = torch.chunk(whole, 2, dim=0)[rank]
+            assert torch.equal(held[name], own), (rank, name)
+    # lora_B starts at zero: a shard back at its initial value would be all zeros
+    assert any(
+        not torch.equal(w, torch.zeros_like(w)) for n, w in expected.items() if "lora_B" in n
+    )
+    same_bits(run_dir, lora_fsdp.output_dir)
+
+
+def test_ddp_resumes_the_adapters_bitwise_and_a_checkpoint_holds_them_alone(
+    tmp_path, corpus, baseline
+):
+    uninterrupted = tmp_path / "uninterrupted"
+    launch_accelerate(lora_args(uninterrupted, corpus), tmp_path).check()
+    run_dir = tmp_path / "run"
+    kill_rank_1_at_step_11_then_resume(tmp_path, lora_args(run_dir, corpus), launch_accelerate)
+    expected = step_8_adapters(uninterrupted, sharded=False)
+    for rank in (0, 1):
+        held = torch.load(tmp_path / "adapters" / f"rank{rank}.pt", weights_only=True)
+        assert held.keys() == expected.keys()
+        assert all(torch.equal(held[name], expected[name]) for name in expected)
+    same_bits(run_dir, uninterrupted)
+
+    def model_and_optimizer_bytes(run_dir) -> int:
+        manifest = json.loads(
+            (run_dir / "checkpoints" / "step_00000016" / "manifest.json").read_text()
+        )
+        files = manifest["files"]
+        return files["model.safetensors"]["bytes"] + files["optimizer.pt"]["bytes"]
+
+    lora_bytes = model_and_optimizer_bytes(uninterrupted)
+    full_bytes = model_and_optimizer_bytes(baseline.output_dir)
+    assert lora_bytes < full_bytes / 5, (lora_bytes, full_bytes)

@@ -1,0 +1,160 @@
+"""LoRA adapters (train/adapters.py), in one process: only the adapters train and sit in the
+optimizer; a checkpoint's model part holds them alone and restores them; the export loads with
+peft's own PeftModel.from_pretrained, and merged with transformers' from_pretrained, with the
+trained model's logits; the targets by name, and the one-line refusals at start-up. (Training on 2
+processes, the kill and resume under DDP and FSDP2: tests/e2e/test_lora_runs.py.)"""
+
+import pytest
+import torch
+
+import checkpoint
+import task
+from adapters import trainable_weights
+from config import config_class
+from errors import ConfigError
+from job import load_checked_config
+from optim import build_optimizer
+from torch_ddp import TorchDDP
+
+RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
+
+GPT = dict(n_layer=2, n_head=2, n_embd=16, block_size=8)
+
+
+def trained_a_little(model, steps: int = 2, vocab: int = 256):
+    """A few AdamW steps, so the adapters' B (zero at the start) is not zero."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (2, 8), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def test_only_the_adapters_of_the_blocks_linear_layers_train_and_sit_in_the_optimizer():
+    cfg = RunConfig(**GPT, lora_r=4)
+    torch.manual_seed(0)
+    model = task.training_model(cfg)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    # every linear layer of each block (attention qkv and proj, MLP fc and proj): A and B each
+    layers = {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}
+    expected = {
+        f"blocks.{block}.{layer}.lora_{ab}.default.weight"
+        for block in range(2)
+        for layer in layers
+        for ab in "AB"
+    }
+    assert trainable == expected
+    optimizer = build_optimizer(model, cfg)
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trained_a_little(model)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    assert any(
+        not torch.equal(p, torch.zeros_like(p))
+        for n, p in model.named_parameters()
+        if "lora_B" in n
+    )
+
+
+def test_a_checkpoint_holds_the_adapters_alone_and_restores_them(tmp_path):
+    cfg = RunConfig(**GPT, lora_r=4, output_dir=str(tmp_path / "run"))
+    torch.manual_seed(0)
+    model = trained_a_little(task.training_model(cfg))
+    plumbing = TorchDDP(cfg)
+    parts = checkpoint.checkpoint_parts(plumbing, model, build_optimizer(model, cfg))
+    assert isinstance(parts["model"], checkpoint.Trainable)
+    folder = tmp_path / "step"
+    folder.mkdir()
+    parts["model"].save(folder, "model", plumbing, writer=True)
+    saved = checkpoint.load_file(str(folder / "model.safetensors"))
+    assert set(saved) == set(trainable_weights(model)) and all(".lora_" in name for name in saved)
+    full = sum(t.numel() for t in model.state_dict().values())
+    assert sum(t.numel() for t in saved.values()) < full / 4
+    torch.manual_seed(0)
+    fresh = task.training_model(cfg)  # the frozen weights from the seed, the adapters fresh
+    parts = checkpoint.checkpoint_parts(plumbing, fresh, build_optimizer(fresh, cfg))
+    parts["model"].check(folder, "model", plumbing)
+    parts["model"].load(folder, "model", plumbing)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_export_loads_with_peft_and_merged_with_from_pretrained(
+    tmp_path, tiny_llama, bpe_tokenizer
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(1))
+    for merge in (False, True):
+        run_dir = tmp_path / f"merge_{merge}"
+        cfg = RunConfig(
+            hf_model=str(tiny_llama),
+            tokenizer=str(bpe_tokenizer),
+            block_size=8,
+            lora_r=4,
+            merge_adapter=merge,
+            output_dir=str(run_dir),
+        )
+        torch.manual_seed(0)
+        model = trained_a_little(task.training_model(cfg), vocab=300).eval()
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+        path = checkpoint.export_model(TorchDDP(cfg), model, cfg)
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+        if merge:
+            assert path.name == "model.safetensors"
+            loaded = AutoModelForCausalLM.from_pretrained(run_dir, dtype=torch.float32).eval()
+            assert not any("lora" in name for name in loaded.state_dict())
+        else:
+            assert path.name == "adapter_model.safetensors"
+            assert (run_dir / "adapter_config.json").is_file()
+            loaded = PeftModel.from_pretrained(base, run_dir).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+        # the run's adapters changed the model: the base alone gives other logits (PeftModel
+        # put the adapters into `base` itself: a fresh copy)
+        alone = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+        with torch.no_grad():
+            assert not torch.allclose(alone(input_ids=ids).logits, expected, atol=1e-4)
+
+
+def test_targets_by_name_and_bad_ones_are_one_line_at_start_up(tmp_path):
+    torch.manual_seed(0)
+    model = task.training_model(RunConfig(**GPT, lora_r=2, lora_targets="qkv"))
+    adapted = {n.split(".lora_")[0] for n, p in model.named_parameters() if p.requires_grad}
+    assert adapted == {"blocks.0.attn.qkv", "blocks.1.attn.qkv"}
+    flags = ["--n_layer", "2", "--n_head", "2", "--n_embd", "16", "--lora_r", "2"]
+    flags += ["--output_dir", str(tmp_path / "run")]
+    with pytest.raises(
+        ConfigError,
+        match=r"^lora_targets: 'q_proj' matches no linear layer of GPT \(its linear layers are "
+        r"named fc, lm_head, proj, qkv\)",
+    ) as error:
+        load_checked_config([*flags, "--lora_targets", "q_proj"])
+    assert "\n" not in str(error.value)
+    with pytest.raises(
+        ConfigError,
+        match=r"^lora_targets: under fsdp, adapters go in the transformer blocks only .* lm_head is outside them",
+    ):
+        load_checked_config([*flags, "--lora_targets", "lm_head", "--fsdp", "full"])
+    with pytest.raises(ConfigError, match=r"^merge_adapter needs lora_r > 0"):
+        load_checked_config(["--merge_adapter", "true"])
+
+
+def test_the_gpts_merged_export_is_a_plain_gpt_with_the_trained_logits(tmp_path):
+    cfg = RunConfig(**GPT, lora_r=4, merge_adapter=True, output_dir=str(tmp_path / "run"))
+    torch.manual_seed(0)
+    model = trained_a_little(task.training_model(cfg)).eval()
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    (tmp_path / "run").mkdir()  # the run's folder, made at its start
+    path = checkpoint.export_model(TorchDDP(cfg), model, cfg)
+    plain = task.build_model(RunConfig(**GPT)).eval()  # no adapters: the names a GPT has
+    checkpoint.load_weights_file(plain, path)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
