@@ -4,7 +4,8 @@
 
 The file is the one an unsharded run exports (the same bytes for the same weights): load it with build_model and
 safetensors' load_model, sample from it, or start a new run from it with --init_from. The model is rebuilt from
-the checkpoint's own config.yaml, so shapes are checked as the shards are read.
+the checkpoint's own config.yaml, so shapes are checked as the shards are read. A LoRA run's checkpoint
+(--lora_r) holds the adapters alone: the file is those, as an unsharded LoRA run's checkpoint holds them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
+from adapters import trainable_weights  # noqa: E402
 from checkpoint import save_safetensors  # noqa: E402
 from config import saved_config  # noqa: E402
-from task import build_model  # noqa: E402 - model.py's, through the seam
+from task import training_model  # noqa: E402 - model.py's, through the seam
 
 
 def consolidate(checkpoint: Path, out: Path) -> None:
@@ -33,15 +35,14 @@ def consolidate(checkpoint: Path, out: Path) -> None:
     cfg = saved_config(checkpoint / "config.yaml")
     # a Hugging Face model: its architecture; the shards hold the weights
     cfg = replace(cfg, model_weights="config")
-    model = build_model(cfg)
-    state = {
-        "model": model.state_dict()
-    }  # the keys the shards were saved under; read into the model in place
+    model = training_model(cfg)  # with its adapters, if the run had some
+    # the keys the shards were saved under; read into the model in place
+    state = {"model": trainable_weights(model) if cfg.lora_r else model.state_dict()}
     # "no process group: loading in a single process", which is the point
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=checkpoint / "model")
-    save_safetensors(model, out)
+    save_safetensors(state["model"] if cfg.lora_r else model, out)
 
 
 if __name__ == "__main__":

@@ -158,3 +158,17 @@ def test_the_gpts_merged_export_is_a_plain_gpt_with_the_trained_logits(tmp_path)
     checkpoint.load_weights_file(plain, path)
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_resuming_a_full_checkpoint_as_an_adapter_run_or_the_reverse_is_one_line(tmp_path):
+    from errors import CheckpointError
+    from resume import check_same_run
+
+    full, adapter = RunConfig(**GPT), RunConfig(**GPT, lora_r=8)
+    plumbing = TorchDDP(full)
+    for saved, now, said in ((full, adapter, "every weight (lora_r 0)"), (adapter, full, "rank 8")):
+        about = {"step": 4, "run": checkpoint.run_geometry(plumbing, saved)}
+        check_same_run(tmp_path, about, checkpoint.run_geometry(plumbing, saved), saved, {})
+        with pytest.raises(CheckpointError, match="was saved training") as error:
+            check_same_run(tmp_path, about, checkpoint.run_geometry(plumbing, now), now, {})
+        assert said in str(error.value) and "\n" not in str(error.value)

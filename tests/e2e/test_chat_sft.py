@@ -53,7 +53,7 @@ class ChatFork:
             save_every=STEPS // 2,
             eval_every=STEPS // 2,
             warmup_steps=2,
-            lr=3e-3,
+            lr=1e-2,
             eval_fraction=0.1,
         )
         return tiny_args(output_dir, self.chats, config=self.config, **values)

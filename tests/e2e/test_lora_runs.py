@@ -9,6 +9,7 @@
   checkpoint (the shared baseline run's), its model and optimizer files are a small fraction.
 """
 
+import importlib.util
 import json
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from conftest import (
     FAULTY_MAIN,
     NEEDS_BLOCKS,
+    REPO,
     baseline_args,
     launch_accelerate,
     launch_torchrun,
@@ -65,22 +67,19 @@ def same_bits(run_dir, reference_dir) -> None:
     assert all(torch.equal(adapter[name], reference[name]) for name in adapter)
 
 
-def step_8_adapters(run_dir, sharded: bool) -> dict:
-    """The uninterrupted run's adapter tensors at step 8, whole, read in this process."""
-    import task
-    from adapters import trainable_weights
-    from checkpoint import load_file
-    from config import saved_config
-
+def step_8_adapters(run_dir, sharded: bool, tmp_path) -> dict:
+    """The uninterrupted run's adapter tensors at step 8, whole, read in this process (a sharded
+    checkpoint's through scripts/consolidate.py)."""
     folder = run_dir / "checkpoints" / "step_00000008"
     if not sharded:
-        return load_file(str(folder / "model.safetensors"))
-    import torch.distributed.checkpoint as dcp
-
-    model = task.training_model(saved_config(folder / "config.yaml"))
-    state = {"model": trainable_weights(model)}
-    dcp.load(state, checkpoint_id=folder / "model", no_dist=True)
-    return state["model"]
+        return load_weights(folder / "model.safetensors")
+    spec = importlib.util.spec_from_file_location(
+        "consolidate", REPO / "scripts" / "consolidate.py"
+    )
+    consolidate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(consolidate)
+    consolidate.consolidate(folder, tmp_path / "adapters_step_8.safetensors")
+    return load_weights(tmp_path / "adapters_step_8.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,7 @@ def test_fsdp_each_rank_gets_its_own_adapter_shards_back_and_the_run_ends_bitwis
     run_dir = tmp_path / "run"
     args = lora_args(run_dir, corpus, "--fsdp", "full")
     kill_rank_1_at_step_11_then_resume(tmp_path, args, launch_torchrun, FAULTY_ENTRY="torch_ddp")
-    expected = step_8_adapters(lora_fsdp.output_dir, sharded=True)
+    expected = step_8_adapters(lora_fsdp.output_dir, sharded=True, tmp_path=tmp_path)
     assert expected and all(".lora_" in name for name in expected)
     for rank in (0, 1):
         held = torch.load(tmp_path / "adapters" / f"rank{rank}.pt", weights_only=True)
@@ -119,7 +118,7 @@ def test_ddp_resumes_the_adapters_bitwise_and_a_checkpoint_holds_them_alone(
     launch_accelerate(lora_args(uninterrupted, corpus), tmp_path).check()
     run_dir = tmp_path / "run"
     kill_rank_1_at_step_11_then_resume(tmp_path, lora_args(run_dir, corpus), launch_accelerate)
-    expected = step_8_adapters(uninterrupted, sharded=False)
+    expected = step_8_adapters(uninterrupted, sharded=False, tmp_path=tmp_path)
     for rank in (0, 1):
         held = torch.load(tmp_path / "adapters" / f"rank{rank}.pt", weights_only=True)
         assert held.keys() == expected.keys()
