@@ -7,8 +7,8 @@ fresh process (peak memory is per process).
 
 The model, the optimizer and the checkpoint parts are the template's own (task.training_model,
 optim.build_optimizer, checkpoint.checkpoint_parts), so the figures are what a run holds.
-Peak memory: the process's maximum resident set on CPU (so it includes Python and torch
-themselves), torch.cuda.max_memory_allocated on a GPU.
+Peak memory: on CPU the process's maximum resident set above what it held before the model was
+built (Python, torch and peft imported in both modes), torch.cuda.max_memory_allocated on a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def measure(args) -> dict:
     sys.path.insert(0, str(TRAIN))
     import torch
 
+    import peft  # noqa: F401 - imported in both modes: the same interpreter before the model is built
+
     import checkpoint
     import task
     from config import config_class
@@ -41,6 +43,7 @@ def measure(args) -> dict:
         lora_r=args.lora_r,
         output_dir="/tmp/lora-memory-bench",
     )
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch.manual_seed(0)
     model = task.training_model(cfg).to(args.device)
     optimizer = build_optimizer(model, cfg)
@@ -56,7 +59,8 @@ def measure(args) -> dict:
     if args.device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # the peak resident set above the interpreter's with its imports, before the model
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     return {
         "parameters": sum(p.numel() for p in model.parameters()),
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),

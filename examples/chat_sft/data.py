@@ -16,8 +16,8 @@ assistant's tokens only, each the same weight (model.py's loss_items). Conversat
 whole and in order, several to a block_size-token block; each keeps its own positions, from 0, and
 the model attends within it only (Hugging Face's causal LMs build that block-diagonal mask from the
 restarting position_ids). The end of a block is padding, masked too. Packing against padding each
-conversation to the batch's longest: bench/sft_packing.py (packing trains 2.7x the assistant
-tokens a second there). A conversation longer than block_size is cut to it, with one warning line.
+conversation to the batch's longest: bench/sft_packing.py (packing trains 1.5x the assistant
+tokens a second there, on CPU). A conversation longer than block_size is cut to it, with one warning line.
 
 A split named validation (or test) is the eval set; without one, eval_fraction of the conversations.
 The eval loss is per assistant token over exactly those conversations.
