@@ -325,6 +325,66 @@ BREAKS = (
         ),
         quick=False,
     ),
+    Break(
+        "the step's loss weighs each micro-batch's mean alike, whatever it counts",
+        "train/main.py",
+        "                loss = loss * weight.to(loss.dtype)\n",
+        "",
+        (
+            "tests/e2e/test_loss_weights.py::test_accumulation_and_ranks_give_the_full_batch_gradient_"
+            "of_the_mean_over_counted_tokens",
+        ),
+        quick=False,
+    ),
+    Break(
+        "the step's loss weights forget that DDP averages over ranks",
+        "train/task.py",
+        "share = items * plumbing.num_processes * steps",
+        "share = items * steps",
+        (
+            "tests/e2e/test_loss_weights.py::test_accumulation_and_ranks_give_the_full_batch_gradient_"
+            "of_the_mean_over_counted_tokens",
+        ),
+        quick=False,
+    ),
+    Break(
+        "the LM's loss is the mean of per-sample means, not per counted token",
+        "train/lm.py",
+        "mean_count = (targets != -100).sum().clamp(min=1) / targets.size(0)",
+        "mean_count = (targets != -100).sum(dim=1).clamp(min=1)",
+        (
+            "tests/test_model.py::test_the_loss_is_the_mean_over_counted_tokens_and_bitwise_the_old_"
+            "one_on_packed_blocks",
+        ),
+    ),
+    Break(
+        "the chat data counts the generation prompt as the assistant's",
+        "examples/chat_sft/data.py",
+        "labels += [-100] * (len(prompt) - len(input_ids)) + answered[len(prompt) :]",
+        "labels += [-100] * (len(prompt) - len(input_ids) - 1) + answered[len(prompt) - 1 :]",
+        (
+            "tests/test_example_data.py::test_chat_masks_count_exactly_the_assistant_s_tokens_as_the_"
+            "template_marks_them",
+        ),
+    ),
+    Break(
+        "a sharded LoRA checkpoint keeps the frozen weights too",
+        "train/checkpoint.py",
+        "model_part = Sharded(module, trainable_only=adapted)",
+        "model_part = Sharded(module)",
+        (
+            "tests/e2e/test_lora_runs.py::test_fsdp_each_rank_gets_its_own_adapter_shards_back_and_the_"
+            "run_ends_bitwise",
+        ),
+        quick=False,
+    ),
+    Break(
+        "an unsharded LoRA checkpoint holds the whole model",
+        "train/checkpoint.py",
+        '"model": Trainable(module) if adapted else Weights(module)',
+        '"model": Weights(module)',
+        ("tests/test_adapters.py::test_a_checkpoint_holds_the_adapters_alone_and_restores_them",),
+    ),
 )
 
 

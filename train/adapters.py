@@ -16,6 +16,8 @@ matches them (a module's name or its last dotted parts).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -32,18 +34,18 @@ def add_lora(model: nn.Module, cfg) -> nn.Module:
     """The model with a LoRA adapter on each target layer, every other weight frozen."""
     from peft import inject_adapter_in_model
 
-    return inject_adapter_in_model(lora_config(model, cfg), model)
+    return inject_adapter_in_model(lora_config(cfg, target_names(model, cfg)), model)
 
 
-def lora_config(model: nn.Module, cfg, base_model: str | None = None):
-    """peft's LoraConfig for the model (without adapters yet)."""
+def lora_config(cfg, targets: list[str], base_model: str | None = None):
+    """peft's LoraConfig: the run's rank, scale and dropout on these layers (full module names)."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=target_names(model, cfg) if not is_adapted(model) else [],
+        target_modules=targets,
         bias="none",
         base_model_name_or_path=base_model,
         task_type="CAUSAL_LM" if cfg.hf_model else None,
@@ -53,14 +55,10 @@ def lora_config(model: nn.Module, cfg, base_model: str | None = None):
 def target_names(model: nn.Module, cfg) -> list[str]:
     """The full names of the linear layers that get an adapter; a --lora_targets name that matches
     none is one line naming the model's linear layers."""
-    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    if not cfg.lora_targets:
+    linear = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if not cfg.lora_targets:  # the attention and MLP projections: every linear layer in a block
         inside = {id(m) for block in transformer_blocks(model, "lora_r") for m in block.modules()}
-        return [
-            name
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and id(m) in inside
-        ]
+        return [name for name, module in linear.items() if id(module) in inside]
     chosen = []
     for wanted in [name.strip() for name in cfg.lora_targets.split(",") if name.strip()]:
         matched = [name for name in linear if name == wanted or name.endswith(f".{wanted}")]
@@ -89,9 +87,7 @@ def check_targets_under_fsdp(model: nn.Module, targets: list[str]) -> None:
 
 
 def is_adapted(module: nn.Module) -> bool:
-    """Whether the model carries peft adapters (imported by whoever added them)."""
-    import sys
-
+    """Whether the model carries peft adapters (peft is imported by whoever added them)."""
     peft_tuners = sys.modules.get("peft.tuners.tuners_utils")
     if peft_tuners is None:
         return False
@@ -112,13 +108,14 @@ def peft_format(trainable: dict) -> dict:
 
 
 def from_peft_format(saved: dict) -> dict:
-    """peft_format's names back to the model's."""
-    return {
-        name.removeprefix(PEFT_PREFIX)
-        .replace(".lora_A.", f".lora_A.{ADAPTER_NAME}.")
-        .replace(".lora_B.", f".lora_B.{ADAPTER_NAME}."): tensor
-        for name, tensor in saved.items()
-    }
+    """peft_format's names back to the model's (`lora_A.weight` -> `lora_A.default.weight`)."""
+    renamed = {}
+    for name, tensor in saved.items():
+        name = name.removeprefix(PEFT_PREFIX)
+        for matrix in ("lora_A", "lora_B"):
+            name = name.replace(f".{matrix}.", f".{matrix}.{ADAPTER_NAME}.")
+        renamed[name] = tensor
+    return renamed
 
 
 def merged_weights(model: nn.Module, weights: dict) -> dict:
@@ -145,9 +142,8 @@ def write_adapter_config(folder, model: nn.Module, cfg) -> None:
     folder it was fine-tuned from)."""
     from peft.tuners.lora import LoraLayer
 
-    config = lora_config(model, cfg, base_model=cfg.hf_model or None)
-    config.target_modules = [name for name, m in model.named_modules() if isinstance(m, LoraLayer)]
-    config.save_pretrained(str(folder))
+    adapted = [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    lora_config(cfg, adapted, base_model=cfg.hf_model or None).save_pretrained(str(folder))
 
 
 def trainable_weights(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -95,6 +95,12 @@ def test_fsdp_each_rank_gets_its_own_adapter_shards_back_and_the_run_ends_bitwis
     run_dir = tmp_path / "run"
     args = lora_args(run_dir, corpus, "--fsdp", "full")
     kill_rank_1_at_step_11_then_resume(tmp_path, args, launch_torchrun, FAULTY_ENTRY="torch_ddp")
+    # the shards hold the adapters alone: DCP's metadata lists every tensor the checkpoint holds
+    import torch.distributed.checkpoint as dcp
+
+    step_8 = lora_fsdp.output_dir / "checkpoints" / "step_00000008" / "model"
+    saved = dcp.FileSystemReader(step_8).read_metadata().state_dict_metadata
+    assert saved and all(".lora_" in name for name in saved), sorted(saved)[:3]
     expected = step_8_adapters(lora_fsdp.output_dir, sharded=True, tmp_path=tmp_path)
     assert expected and all(".lora_" in name for name in expected)
     for rank in (0, 1):
