@@ -77,32 +77,25 @@ def collate(samples: list[dict]) -> dict:
 def pack_conversations(rows: dict, tokenizer, block_size: int) -> dict:
     """A batch of conversations (datasets' batched map) as packed blocks, in order: a conversation
     goes whole into the current block if it fits, else starts the next one (cut to block_size if it
-    alone is longer)."""
+    alone is longer). "cut" counts, per block, the conversations cut."""
     blocks = {name: [] for name in (*COLUMNS, "cut")}
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0  # any id: padding is masked and attends to itself
     block = empty_block()
-
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-
-    def close(block):
-        if block["input_ids"]:
-            pad_to(block, block_size, pad_id or 0)
-            for name in blocks:
-                blocks[name].append(block[name])
-
     for messages in conversations(rows):
         input_ids, labels = encode(messages, tokenizer)
         cut = len(input_ids) > block_size
         input_ids, labels = input_ids[:block_size], labels[:block_size]
         if len(block["input_ids"]) + len(input_ids) > block_size:
-            close(block)
+            add_padded(blocks, block, block_size, pad_id)
             block = empty_block()
         block["input_ids"] += input_ids
         block["labels"] += labels
         block["position_ids"] += list(range(len(input_ids)))
         block["cut"] += int(cut)
-    close(block)
+    if block["input_ids"]:
+        add_padded(blocks, block, block_size, pad_id)
     return blocks
 
 
@@ -110,12 +103,15 @@ def empty_block() -> dict:
     return {"input_ids": [], "labels": [], "position_ids": [], "cut": 0}
 
 
-def pad_to(block: dict, block_size: int, pad_id: int) -> None:
-    """The block's tail as one more sequence of its own (positions from 0), counted by nothing."""
+def add_padded(blocks: dict, block: dict, block_size: int, pad_id: int) -> None:
+    """The block, its tail padded as one more sequence of its own (positions from 0) that nothing
+    counts, added to the batch's blocks."""
     missing = block_size - len(block["input_ids"])
     block["input_ids"] += [pad_id] * missing
     block["labels"] += [-100] * missing
     block["position_ids"] += list(range(missing))
+    for name, values in block.items():
+        blocks[name].append(values)
 
 
 def encode(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
