@@ -7,8 +7,9 @@ in their next one. How long they wait:
     step_timeout_s    every training step after the first: a hang is caught in minutes, not 30
 (the process group's own timeout, switched between the two with torch.distributed's _set_pg_timeout).
 
-Where each rank is: a note of its step and phase (data, forward, backward: DDP's gradient all-reduce,
-optimizer, between steps: logging votes, eval, the checkpoint) kept up to date by the loop. When a
+Where each rank is: a note of its step and phase (data, loss weights: the step's counted items summed
+over the ranks, forward, backward: DDP's gradient all-reduce, optimizer, between steps: logging votes,
+eval, the checkpoint) kept up to date by the loop. When a
 collective fails on a rank (timed out, or a peer gone), that rank publishes its note in the job's
 store and raises the alarm there; a thread on every other rank, asleep on that alarm, wakes and
 publishes its own note with its main thread's Python stack (where it is), then ends its process

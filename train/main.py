@@ -116,6 +116,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
             micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
         # each micro-batch's share of the step, by the items (tokens) its loss counts against all
         # the step's, on every rank: 1.0 each where they count the same (task.loss_weights)
+        watch.at("loss weights")  # the step's items summed over the ranks: a collective
         weights = task.loss_weights(micro_batches, accelerator)
         for batch, weight in zip(micro_batches, weights, strict=True):
             # DDP's gradient all-reduce runs on the last micro-step only

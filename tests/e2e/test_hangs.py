@@ -18,8 +18,8 @@ DIST_TIMEOUT_S = 200
 
 def test_a_rank_whose_data_never_comes_is_named_and_every_rank_exits(tmp_path, corpus):
     """accelerate launch and main.py (the watch is the same code on the torch path: hangs.py, through
-    main.train). Rank 1's 7th batch (step 7) never comes; rank 0 waits in the gradient all-reduce of step 7
-    for step_timeout_s. The job ends long before dist_timeout_s, its one error line names rank 1 and
+    main.train). Rank 1's 7th batch (step 7) never comes; rank 0 waits in step 7's first collective (the
+    sum of the step's counted tokens, task.loss_weights) for step_timeout_s. The job ends long before dist_timeout_s, its one error line names rank 1 and
     where it was, and each rank's note is in hangs/, rank 1's with the stack where it is stuck."""
     run_dir = tmp_path / "run"
     args = tiny_args(
@@ -38,11 +38,11 @@ def test_a_rank_whose_data_never_comes_is_named_and_every_rank_exits(tmp_path, c
     line = errors[0]
     assert f"timed out (step_timeout_s {STEP_TIMEOUT_S}) on rank(s) 0" in line, line
     assert "rank 1 did not arrive: it was in data (step 7)" in line, line
-    assert "a collective in backward (step 7)" in line, line
+    assert "a collective in loss weights (step 7)" in line, line
     notes = {
         rank: json.loads((run_dir / "hangs" / f"rank{rank}.json").read_text()) for rank in (0, 1)
     }
-    assert notes[0]["waiting_in_a_collective"] and notes[0]["phase"] == "backward"
+    assert notes[0]["waiting_in_a_collective"] and notes[0]["phase"] == "loss weights"
     assert not notes[1]["waiting_in_a_collective"] and notes[1]["phase"] == "data"
     assert any("next_batch" in frame for frame in notes[1]["stack"])  # where it is stuck
 
