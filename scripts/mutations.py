@@ -253,8 +253,8 @@ BREAKS = (
         '    return not getattr(prepared_model, "broadcast_buffers", False)',
         "    return False",
         (
-            "tests/e2e/test_examples.py::test_batchnorm_without_broadcast_buffers_resumes_each_rank_s_"
-            "statistics",
+            "tests/e2e/test_examples.py::test_batchnorm_without_broadcast_buffers_checkpoints_each_"
+            "rank_and_exports_their_mean[image_classification]",
         ),
         quick=False,
     ),
@@ -264,8 +264,8 @@ BREAKS = (
         "    if num_processes == 1 or not buffers:\n        yield",
         "    if True:\n        yield",
         (
-            "tests/e2e/test_examples.py::test_batchnorm_without_broadcast_buffers_resumes_each_rank_s_"
-            "statistics",
+            "tests/e2e/test_examples.py::test_each_eval_metric_is_an_independent_count_over_exactly_"
+            "the_eval_set[image_classification]",
         ),
         quick=False,
     ),

@@ -12,6 +12,7 @@ import torch
 
 import harness
 from config import config_class
+from conftest import REPO
 from errors import ConfigError
 from model import build_model
 
@@ -150,6 +151,28 @@ def test_an_unknown_task_or_task_path_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="the task path is not an existing file or folder"):
         harness.check_tasks("eval_tasks", ["tiny_mc"], str(tmp_path / "absent"))
     harness.check_tasks("eval_tasks", ["tiny_mc"], str(tmp_path))  # found: no error
+
+
+@needs_harness
+def test_the_evaluate_script_refuses_an_unknown_task_in_one_line_with_exit_2(
+    tmp_path, capsys, monkeypatch
+):
+    """A bad input, as the training refuses one: one `error:` line, exit 2. (The harness's index of
+    its own tasks, which takes seconds, is an empty one here: check_tasks against the real index is
+    the test above.)"""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(harness, "harness_tasks", lambda: SimpleNamespace(all_tasks=set()))
+    spec = importlib.util.spec_from_file_location("evaluate", REPO / "scripts" / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    with pytest.raises(SystemExit) as stopped:
+        evaluate.main([str(tmp_path), "--tasks", "x"])
+    assert stopped.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [
+        "error: --tasks: no task 'x' in lm-evaluation-harness (lm_eval --tasks list shows them)"
+    ]
 
 
 @needs_harness

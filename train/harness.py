@@ -15,6 +15,7 @@ Used by scripts/evaluate.py (a run or checkpoint folder) and by main.py at the e
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import replace
@@ -48,11 +49,21 @@ def task_manager(tasks: list[str], task_path: str):
     task_path has every task asked for (indexing the harness's ~15,000 task files takes seconds)."""
     from lm_eval.tasks import TaskManager
 
-    if task_path:
-        local = TaskManager(include_path=task_path, include_defaults=False)
-        if all(task in local.all_tasks for task in tasks):
-            return local
-    return TaskManager(include_path=task_path or None)
+    if not task_path:
+        return harness_tasks()
+    local = TaskManager(include_path=task_path, include_defaults=False)
+    if all(task in local.all_tasks for task in tasks):
+        return local
+    return TaskManager(include_path=task_path)
+
+
+@functools.cache
+def harness_tasks():
+    """The harness's own tasks, indexed once per process: the start-up check and the evaluation at
+    the end of training share it."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
 
 
 def check_tasks(key: str, tasks: list[str], task_path: str) -> None:

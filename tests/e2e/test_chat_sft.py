@@ -1,13 +1,18 @@
 """Chat fine-tuning (examples/chat_sft) installed as a fork does: a Hugging Face causal LM (a tiny
 Llama folder with a ChatML tokenizer, made offline) on chat JSON lines, packed several conversations
-to a block, only the assistant's tokens counted, 2 processes and gradient accumulation 2 (micro-
-batches and ranks count different numbers of assistant tokens):
+to a block, only the assistant's tokens counted, with LoRA adapters (--lora_r) merged into the export
+(--merge_adapter), 2 processes (DDP) and gradient accumulation 2 (micro-batches and ranks count
+different numbers of assistant tokens):
     - it learns, and its eval loss and accuracy are an independent computation from the export
-      (AutoModelForCausalLM.from_pretrained of the run folder): each eval conversation alone, not
-      packed, through the chat template, counting the tokens the template's {% generation %} marks
-      (transformers' return_assistant_tokens_mask) over exactly the held-out conversations;
-    - the torch path (torchrun), one rank SIGKILLed after the mid-run checkpoint, then resumed,
-      ends with the same losses, evaluations and exported weights as the Accelerate run, to the bit.
+      (AutoModelForCausalLM.from_pretrained of the run folder, the adapters merged): each eval
+      conversation alone, not packed, through the chat template, counting the tokens the template's
+      {% generation %} marks (transformers' return_assistant_tokens_mask) over exactly the held-out
+      conversations;
+    - the torch path (torchrun), one rank SIGKILLed after the mid-run checkpoint, then resumed: every
+      rank holds the uninterrupted run's adapters of that checkpoint after the resume (accelerate PR
+      #4206's failure), and the run ends with the Accelerate run's losses, evaluations and exported
+      weights, to the bit. The checkpoints hold the adapters alone. (FSDP2 and adapters:
+      tests/e2e/test_lora_runs.py.)
 """
 
 import json
@@ -53,8 +58,14 @@ class ChatFork:
             save_every=STEPS // 2,
             eval_every=STEPS // 2,
             warmup_steps=2,
-            lr=1e-2,
+            lr=3e-2,
             eval_fraction=0.1,
+            lora_r=8,
+            lora_alpha=16,
+            # the blocks' projections and the head: a random tiny base learns little through the
+            # blocks alone in 16 steps
+            lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head",
+            merge_adapter="true",
         )
         return tiny_args(output_dir, self.chats, config=self.config, **values)
 
@@ -116,22 +127,34 @@ def test_it_learns_and_its_eval_is_per_assistant_token_over_exactly_the_held_out
 def test_the_torch_path_killed_and_resumed_ends_bitwise_as_the_accelerate_run(chat, trained):
     run_dir = chat.root / "torch_path"
     args = chat.args(run_dir)
+    adapters = chat.root / "adapters"
     env = {"FAULT_STEP": STEPS // 2 + 3, "FAULT_ACTION": "sigkill", "FAULT_RANK": 1}
     env.update(FAULT_ONCE=chat.root / "sigkill.once", FAULTY_ENTRY="torch_ddp")
     faulty = chat.fork / "tests" / "helpers" / FAULTY_MAIN.name
     killed = launch_torchrun(args, chat.root, script=faulty, env_extra=env)
     assert killed.returncode != 0
     resumed = launch_torchrun(
-        [*args, "--resume", "latest"], chat.root, script=chat.fork / "train" / "torch_ddp.py"
+        [*args, "--resume", "latest"],
+        chat.root,
+        script=faulty,
+        env_extra={"RECORD_ADAPTERS": adapters, "FAULTY_ENTRY": "torch_ddp"},
     ).check()
     assert f"(step {STEPS // 2})" in resumed.output
+    # the checkpoint holds the adapters alone, and every rank got them back from it
+    middle = trained.output_dir / "checkpoints" / f"step_{STEPS // 2:08d}" / "model.safetensors"
+    saved = load_weights(middle)
+    assert saved and all(".lora_" in name for name in saved)
+    for rank in (0, 1):
+        held = torch.load(adapters / f"rank{rank}.pt", weights_only=True)
+        assert held.keys() == saved.keys()
+        assert all(torch.equal(held[name], saved[name]) for name in saved), rank
     expected = read_metrics(trained.output_dir)
     written = read_metrics(run_dir)
     assert {r["step"]: r["loss"] for r in written if "loss" in r} == trained.losses()
     assert [r for r in written if "eval_loss" in r] == [r for r in expected if "eval_loss" in r]
     weights = load_weights(run_dir / "model.safetensors")
     baseline = load_weights(trained.output_dir / "model.safetensors")
-    assert weights.keys() == baseline.keys()
+    assert weights.keys() == baseline.keys() and not any("lora" in name for name in weights)
     assert all(weights[key].equal(baseline[key]) for key in weights)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model_type"] == "llama"

@@ -50,16 +50,26 @@ def assert_close(compiled: dict, eager: dict) -> None:
         )
 
 
-def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_path, corpus):
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory, corpus):
+    """The reference both tests compare with: the eager run, Accelerate, 2 processes (DDP). A
+    compiled run's kernels differ from eager's within the tolerance; FSDP2's from DDP's by less
+    (1.5e-7 relative, tests/e2e/test_fsdp.py)."""
+    folder = tmp_path_factory.mktemp("eager")
+    run_dir = folder / "eager"
+    launch_accelerate(tiny_args(run_dir, corpus, compile="false", **STEPS), folder).check()
+    assert not compile_counts(run_dir)  # eager: nothing compiled, nothing reported
+    return run_dir
+
+
+def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(
+    tmp_path, corpus, eager
+):
     """Accelerate, 2 processes (DDP): a compiled run stopped at step 3 and resumed compiles no graph
     after the resume (dynamo's counters: every graph from the run folder's cache), and its losses
     are the uninterrupted eager run's within the tolerance. A copy of the stopped run folder whose
     compiled libraries were cut short and a cached graph garbled (an interrupted copy) resumes too:
     one warning line, the cache set aside, every graph compiled cold, the same losses."""
-    # the reference: the eager run (a compiled run's kernels differ from eager's within the tolerance)
-    eager = tmp_path / "eager"
-    launch_accelerate(tiny_args(eager, corpus, compile="false", **STEPS), tmp_path).check()
-    assert not compile_counts(eager)  # eager: nothing compiled, nothing reported
     resumed = tmp_path / "resumed"
     first_half = {**STEPS, "max_steps": 3}
     launch_accelerate(tiny_args(resumed, corpus, compile="true", **first_half), tmp_path).check()
@@ -102,14 +112,12 @@ def test_a_compiled_run_resumes_from_its_kept_cache_without_compiling_again(tmp_
 
 @pytest.mark.skipif(not model_declares_blocks(), reason=NEEDS_BLOCKS)
 def test_regional_compile_under_fsdp2_with_activation_checkpointing_on_the_torch_path(
-    tmp_path, corpus
+    tmp_path, corpus, eager
 ):
     """torchrun, 2 processes, FSDP2 (full), every block recomputed in backward: the blocks compile
-    (through the checkpoint) and the losses are the eager run's within the tolerance."""
+    (through the checkpoint) and the losses are the eager DDP run's within the tolerance."""
     args = dict(fsdp="full", activation_checkpointing="true", **STEPS)
     compiled = tmp_path / "compiled"
     launch_torchrun(tiny_args(compiled, corpus, compile="true", **args), tmp_path).check()
-    eager = tmp_path / "eager"
-    launch_torchrun(tiny_args(eager, corpus, compile="false", **args), tmp_path).check()
     assert compile_counts(compiled)[0][1] > 0
     assert_close(losses(compiled), losses(eager))

@@ -59,4 +59,12 @@ def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_tracebac
     assert job.returncode == code, output[-3000:]
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
     name = "SIGINT" if stop == signal.SIGINT else "SIGTERM"
-    assert f"on {name}, checkpoint saved" in output
+    assert (
+        f"on {name}, checkpoint saved: continue with --output_dir {out} --resume latest" in output
+    )
+    # the checkpoint is the step it stopped at
+    stopped_at = max(row["step"] for row in read_metrics(out))
+    newest = sorted(p.name for p in (out / "checkpoints").iterdir())[-1]
+    assert newest == f"step_{stopped_at:08d}", output[-3000:]
+    # a scheduler's SIGTERM is a preemption to requeue; a person's Ctrl-C is not
+    assert (out / "preempted.json").exists() == (stop == signal.SIGTERM)

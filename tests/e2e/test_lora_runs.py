@@ -14,13 +14,13 @@ import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from conftest import (
     FAULTY_MAIN,
     NEEDS_BLOCKS,
     REPO,
     baseline_args,
-    launch_accelerate,
     launch_torchrun,
     load_weights,
     model_declares_blocks,
@@ -39,20 +39,6 @@ def lora_args(output_dir, corpus, *extra):
     return [*baseline_args(output_dir, corpus, max_steps=16, eval_every=8), *LORA, *extra]
 
 
-def kill_rank_1_at_step_11_then_resume(tmp_path, args, launch, **launch_kw) -> None:
-    env = {"FAULT_STEP": 11, "FAULT_RANK": 1, "FAULT_ACTION": "sigkill"}
-    env.update(FAULT_ONCE=tmp_path / "once", RECORD_ADAPTERS=tmp_path / "adapters")
-    killed = launch(args, tmp_path, script=FAULTY_MAIN, env_extra={**env, **launch_kw})
-    assert killed.returncode != 0
-    resumed = launch(
-        [*args, "--resume", "latest"],
-        tmp_path,
-        script=FAULTY_MAIN,
-        env_extra={"RECORD_ADAPTERS": tmp_path / "adapters", **launch_kw},
-    ).check()
-    assert "(step 8)" in resumed.output
-
-
 def same_bits(run_dir, reference_dir) -> None:
     """Every step's loss, and the exported adapter, as the uninterrupted run's."""
     losses, expected = (
@@ -67,19 +53,18 @@ def same_bits(run_dir, reference_dir) -> None:
     assert all(torch.equal(adapter[name], reference[name]) for name in adapter)
 
 
-def step_8_adapters(run_dir, sharded: bool, tmp_path) -> dict:
-    """The uninterrupted run's adapter tensors at step 8, whole, read in this process (a sharded
-    checkpoint's through scripts/consolidate.py)."""
-    folder = run_dir / "checkpoints" / "step_00000008"
-    if not sharded:
-        return load_weights(folder / "model.safetensors")
+def step_8_adapters(run_dir, tmp_path) -> dict:
+    """The uninterrupted run's adapter tensors at step 8, whole, read from its shards in this
+    process by scripts/consolidate.py."""
     spec = importlib.util.spec_from_file_location(
         "consolidate", REPO / "scripts" / "consolidate.py"
     )
     consolidate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(consolidate)
-    consolidate.consolidate(folder, tmp_path / "adapters_step_8.safetensors")
-    return load_weights(tmp_path / "adapters_step_8.safetensors")
+    consolidate.consolidate(
+        run_dir / "checkpoints" / "step_00000008", tmp_path / "step_8.safetensors"
+    )
+    return load_weights(tmp_path / "step_8.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -90,18 +75,24 @@ def lora_fsdp(tmp_path_factory, corpus):
 
 
 def test_fsdp_each_rank_gets_its_own_adapter_shards_back_and_the_run_ends_bitwise(
-    tmp_path, corpus, lora_fsdp
+    tmp_path, corpus, lora_fsdp, baseline
 ):
     run_dir = tmp_path / "run"
     args = lora_args(run_dir, corpus, "--fsdp", "full")
-    kill_rank_1_at_step_11_then_resume(tmp_path, args, launch_torchrun, FAULTY_ENTRY="torch_ddp")
+    env = {"FAULT_STEP": 11, "FAULT_RANK": 1, "FAULT_ACTION": "sigkill"}
+    env.update(FAULT_ONCE=tmp_path / "once", FAULTY_ENTRY="torch_ddp")
+    killed = launch_torchrun(args, tmp_path, script=FAULTY_MAIN, env_extra=env)
+    assert killed.returncode != 0
+    record = {"RECORD_ADAPTERS": tmp_path / "adapters", "FAULTY_ENTRY": "torch_ddp"}
+    resumed = launch_torchrun(
+        [*args, "--resume", "latest"], tmp_path, script=FAULTY_MAIN, env_extra=record
+    ).check()
+    assert "(step 8)" in resumed.output
     # the shards hold the adapters alone: DCP's metadata lists every tensor the checkpoint holds
-    import torch.distributed.checkpoint as dcp
-
     step_8 = lora_fsdp.output_dir / "checkpoints" / "step_00000008" / "model"
     saved = dcp.FileSystemReader(step_8).read_metadata().state_dict_metadata
     assert saved and all(".lora_" in name for name in saved), sorted(saved)[:3]
-    expected = step_8_adapters(lora_fsdp.output_dir, sharded=True, tmp_path=tmp_path)
+    expected = step_8_adapters(lora_fsdp.output_dir, tmp_path)
     assert expected and all(".lora_" in name for name in expected)
     for rank in (0, 1):
         held = torch.load(tmp_path / "adapters" / f"rank{rank}.pt", weights_only=True)
@@ -116,28 +107,14 @@ def test_fsdp_each_rank_gets_its_own_adapter_shards_back_and_the_run_ends_bitwis
     )
     same_bits(run_dir, lora_fsdp.output_dir)
 
-
-def test_ddp_resumes_the_adapters_bitwise_and_a_checkpoint_holds_them_alone(
-    tmp_path, corpus, baseline
-):
-    uninterrupted = tmp_path / "uninterrupted"
-    launch_accelerate(lora_args(uninterrupted, corpus), tmp_path).check()
-    run_dir = tmp_path / "run"
-    kill_rank_1_at_step_11_then_resume(tmp_path, lora_args(run_dir, corpus), launch_accelerate)
-    expected = step_8_adapters(uninterrupted, sharded=False, tmp_path=tmp_path)
-    for rank in (0, 1):
-        held = torch.load(tmp_path / "adapters" / f"rank{rank}.pt", weights_only=True)
-        assert held.keys() == expected.keys()
-        assert all(torch.equal(held[name], expected[name]) for name in expected)
-    same_bits(run_dir, uninterrupted)
-
     def model_and_optimizer_bytes(run_dir) -> int:
-        manifest = json.loads(
-            (run_dir / "checkpoints" / "step_00000016" / "manifest.json").read_text()
+        step_16 = run_dir / "checkpoints" / "step_00000016" / "manifest.json"
+        files = json.loads(step_16.read_text())["files"]
+        return sum(
+            f["bytes"] for name, f in files.items() if name.startswith(("model", "optimizer"))
         )
-        files = manifest["files"]
-        return files["model.safetensors"]["bytes"] + files["optimizer.pt"]["bytes"]
 
-    lora_bytes = model_and_optimizer_bytes(uninterrupted)
+    # against the same GPT's full checkpoint (the shared baseline run's, unsharded)
+    lora_bytes = model_and_optimizer_bytes(lora_fsdp.output_dir)
     full_bytes = model_and_optimizer_bytes(baseline.output_dir)
     assert lora_bytes < full_bytes / 5, (lora_bytes, full_bytes)

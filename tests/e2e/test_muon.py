@@ -23,23 +23,21 @@ MUON = dict(optimizer="muon", max_steps=16, save_every=8, eval_every=8, grad_acc
 
 
 def test_muon_is_bitwise_alike_on_both_plumbings_and_resumes_exactly(tmp_path, corpus):
+    """Accelerate trains 16 steps; the torch path continues its step-8 checkpoint: Muon's momentum
+    and AdamW's moments restored, and steps 9-16 and the final weights the same to the bit (the two
+    plumbings alike, and the resume exact, in one)."""
     accelerate = launch_accelerate(tiny_args(tmp_path / "acc", corpus, **MUON), tmp_path).check()
-    torchrun = launch_torchrun(tiny_args(tmp_path / "ddp", corpus, **MUON), tmp_path).check()
     losses = accelerate.losses()
-    assert sorted(losses) == list(range(1, 17)) and losses == torchrun.losses()
+    assert sorted(losses) == list(range(1, 17))
     assert losses[16] < losses[1] - 0.5  # it trains
     final = load_weights(tmp_path / "acc/model.safetensors")
-    assert all(
-        torch.equal(final[k], v)
-        for k, v in load_weights(tmp_path / "ddp/model.safetensors").items()
-    )
-    # the torch path continues the Accelerate run's step 8: Muon's momentum and AdamW's moments restored
     checkpoint = tmp_path / "acc/checkpoints/step_00000008"
     resumed = launch_torchrun(
         [*tiny_args(tmp_path / "resumed", corpus, **MUON), "--resume", checkpoint], tmp_path
     ).check()
     assert resumed.losses() == {step: v for step, v in losses.items() if step > 8}
     replayed = load_weights(tmp_path / "resumed/model.safetensors")
+    assert final.keys() == replayed.keys()
     assert all(torch.equal(final[k], replayed[k]) for k in final)
     # an AdamW run cannot take Muon's state
     other = run_python(

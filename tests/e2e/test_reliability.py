@@ -6,9 +6,7 @@ checkpoint, the default run folder, and elastic restarts by the launchers.
 """
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -96,33 +94,6 @@ def test_inf_gradients_with_a_finite_loss_stop_before_the_save(tmp_path, corpus)
         "again with a lower lr or more warmup_steps"
     ], diverged.tail()
     assert checkpoints(run_dir) == []
-
-
-def test_ctrl_c_checkpoints_and_says_how_to_continue(tmp_path, corpus):
-    run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        accelerate_cmd(baseline_args(run_dir, corpus)),
-        env=base_env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        wait_for_rows(run_dir, 3, launcher)
-        os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        output, _ = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-    stopped_at = max(r["step"] for r in read_metrics(run_dir))
-    assert checkpoints(run_dir)[-1] == f"step_{stopped_at:08d}", output[-3000:]
-    assert (
-        f"on SIGINT, checkpoint saved: continue with --output_dir {run_dir} --resume latest"
-        in output
-    )
-    assert not (run_dir / "preempted.json").exists()  # a person stopped it: no requeue
-    # (that a resume from a signal's checkpoint is exact: test_resume.py, with SIGTERM to the launcher)
 
 
 def test_a_second_job_on_the_same_run_folder_is_refused_until_the_first_dies(tmp_path, corpus):

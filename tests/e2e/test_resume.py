@@ -221,33 +221,6 @@ def test_sigusr1_without_a_launcher_exits_75_after_a_checkpoint(tmp_path, corpus
     assert not (run_dir / "model.safetensors").exists()  # stopped, not finished
 
 
-def test_killed_inside_a_save_resumes_from_the_previous_checkpoint(tmp_path, corpus, baseline):
-    """Rank 0 killed after writing every file of the second save but before publishing it (kill -9 of a
-    rank mid-run, and kills at other points of a save, are in test_kill_fuzz.py and test_reliability.py)."""
-    run_dir = tmp_path / "run"
-    crashed = launch_accelerate(
-        baseline_args(run_dir, corpus),
-        tmp_path,
-        script=FAULTY_MAIN,
-        env_extra={
-            "FAULT_SAVE_AT": "before_publish",
-            "FAULT_SAVE_NUMBER": 2,
-            "FAULT_RANK": 0,
-            "FAULT_ONCE": tmp_path / "once",
-        },
-    )
-    assert crashed.returncode != 0
-    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert names == [
-        "step_00000008",
-        "step_00000016.tmp",
-    ]  # the half-written save never got its final name
-    resumed = resume(run_dir, corpus, tmp_path)
-    assert "(step 8)" in resumed.output
-    assert_matches_baseline(run_dir, baseline)
-    assert not list((run_dir / "checkpoints").glob("*.tmp"))  # cleaned up after the next commit
-
-
 def test_resume_into_a_different_model_is_a_one_line_error(tmp_path, corpus, baseline):
     """(A different world size or batch geometry is refused the same way: tests/test_checkpoint.py.)"""
     checkpoint = baseline.output_dir / "checkpoints" / "step_00000016"
