@@ -198,7 +198,8 @@ class Sharded:
         )
 
         if self.optimizer is None:
-            return get_model_state_dict(self.module, options=self._options())
+            state = get_model_state_dict(self.module, options=self._options())
+            return only_trainable(self.module, state) if self.trainable_only else state
         return get_optimizer_state_dict(self.module, self.optimizer)
 
     def _options(self):
@@ -700,7 +701,16 @@ def gathered_weights(module, trainable_only: bool = False) -> dict:
     options = StateDictOptions(
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
     )
-    return get_model_state_dict(module, options=options)
+    state = get_model_state_dict(module, options=options)
+    return only_trainable(module, state) if trainable_only else state
+
+
+def only_trainable(module, state: dict) -> dict:
+    """The state's entries that train (trainable_weights' names). ignore_frozen_params alone keeps
+    the second name of a tied frozen weight (the GPT's lm_head, a hub model's tied head): the whole
+    embedding, in every adapter checkpoint."""
+    trainable = trainable_weights(module).keys()
+    return {name: value for name, value in state.items() if name in trainable}
 
 
 def without_tied_copies(module, state: dict) -> tuple[dict, dict]:

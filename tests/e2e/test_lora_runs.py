@@ -114,7 +114,9 @@ def test_fsdp_each_rank_gets_its_own_adapter_shards_back_and_the_run_ends_bitwis
             f["bytes"] for name, f in files.items() if name.startswith(("model", "optimizer"))
         )
 
-    # against the same GPT's full checkpoint (the shared baseline run's, unsharded)
+    # against the same GPT's full checkpoint (the shared baseline run's, unsharded): at width 64,
+    # rank 4 adapters are 8% of the parameters, 0.23x the bytes with DCP's own files (at width 512,
+    # rank 16: 0.04x, bench/lora_memory.py); a checkpoint that kept a frozen weight would be more
     lora_bytes = model_and_optimizer_bytes(lora_fsdp.output_dir)
     full_bytes = model_and_optimizer_bytes(baseline.output_dir)
-    assert lora_bytes < full_bytes / 5, (lora_bytes, full_bytes)
+    assert lora_bytes < full_bytes / 3, (lora_bytes, full_bytes)
