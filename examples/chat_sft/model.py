@@ -7,7 +7,8 @@ The model's .loss is the mean over the batch's assistant tokens (transformers' o
 loss_items says how many that is, so each optimizer step weighs every assistant token of the step
 the same, whatever the accumulation or world size (task.loss_weights). The eval reports loss,
 accuracy and perplexity per assistant token. The export is the Hugging Face model folder with the
-tokenizer and its chat template: `AutoModelForCausalLM.from_pretrained(run/export)`, and
+tokenizer and its chat template: `AutoModelForCausalLM.from_pretrained(run)` (with --lora_r, the
+adapter for `PeftModel.from_pretrained`, or merged with --merge_adapter), and
 `python scripts/sample.py RUN --chat "..."` talks to it.
 """
 
