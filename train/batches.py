@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Sampler
 import task
 from errors import ConfigError
 from mixture import Concatenation, MixtureSampler, build_data
+from profiling import start_clock
 from sources import describe, source_config
 from stopping import loader_worker_options
 from streaming import stream_batches
@@ -71,13 +72,16 @@ def build_batches(cfg, plumbing, data: RunData) -> tuple:
         for source, eval_set in data.eval_sets.items()
     }
     if cfg.streaming:
-        return stream_batches(data.train_set, cfg, plumbing), eval_loaders
+        batches = stream_batches(data.train_set, cfg, plumbing)
+        start_clock.lap("data")
+        return batches, eval_loaders
     # the order: a function of (seed, epoch); a mixture's also of the weights
     sampler = data_order(cfg, data.train_set, global_batch)
     loader = DataLoader(
         fast_reader(data.train_set), sampler=sampler, drop_last=True, **loader_options(cfg)
     )
     batches = TrainBatches(plumbing.prepare(loader), sampler, global_batch // cfg.grad_accum_steps)
+    start_clock.lap("data")  # the restart report's: since the process group (profiling.py)
     return batches, eval_loaders
 
 

@@ -25,6 +25,11 @@ def check_devices(cfg) -> None:
             "on CPU the gloo backend cannot run it): leave it off here, broadcast_buffers keeps the "
             "ranks' statistics rank 0's (got true)"
         )
+    if cfg.oom_snapshot and not torch.cuda.is_available():
+        raise ConfigError(
+            "oom_snapshot needs CUDA GPUs (it records the CUDA allocator's history): leave it off "
+            "here (got true)"
+        )
 
 
 # what each engine sets when it starts a job on several nodes, and how this script is launched there

@@ -48,6 +48,7 @@ import torch
 from blocks import transformer_blocks
 from errors import ConfigError
 from plumbing import is_writer
+from profiling import start_clock
 from run_folder import RunFolder
 
 MANIFEST = "MANIFEST.json"
@@ -80,6 +81,7 @@ def compile_and_keep(cfg, plumbing, plain_model: torch.nn.Module) -> KeptCache |
     """--compile: the model compiled block by block (compile_model), its compiled code kept in the
     run folder and checked before any rank reads it (keep_compiled_code). The kept cache, for the
     checkpointer to list at each save; None when nothing is compiled or the user keeps the cache."""
+    start_clock.lap("model")  # the restart report's: built, wrapped and checked (profiling.py)
     if not compile_wanted(cfg.compile):
         return None
     folder = RunFolder.of(cfg)
@@ -90,6 +92,7 @@ def compile_and_keep(cfg, plumbing, plain_model: torch.nn.Module) -> KeptCache |
         writer_goes_first = plumbing.local_main_process_first
     kept_cache = keep_compiled_code(folder.path("compile_cache"), writer, writer_goes_first)
     compile_model(plain_model)  # block by block, in place
+    start_clock.lap("compiled code cache")  # the compiling itself: in the first step
     return kept_cache
 
 

@@ -178,6 +178,14 @@ class TrainConfig:
     eval_task_path: str = ""
     # at most this many examples of each task; 0 = all
     eval_limit: int = 0
+    # ---- profiling (profiling.py)
+    # START:END: a torch.profiler trace of steps START to END (both included) per rank, in
+    # <output_dir>/profile (Chrome trace; TensorBoard reads it); on CUDA also their memory history.
+    # "" = off; outside the window it costs nothing
+    profile_steps: str = ""
+    # CUDA: record the memory history from the first step and write it when the GPU runs out of
+    # memory, before the error line (pytorch.org/memory_viz shows what held the memory)
+    oom_snapshot: bool = False
     # ---- distributed
     # collective timeout at start-up (data preparation, the first step), saves and the export; raise
     # it if one node prepares data much longer than others
@@ -400,7 +408,7 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     for key, raw in values.items():
         if key not in types:
             raise ConfigError(f"unknown key '{key}'{unknown_key_hint(key, types)}")
-        typed[key] = _coerce(key, raw, types[key])
+        typed[key] = coerce(key, raw, types[key])
     cfg = run_config(**typed)
     cfg.validate()
     return cfg
@@ -503,7 +511,7 @@ _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
 
-def _coerce(key: str, raw, type_name: str):
+def coerce(key: str, raw, type_name: str):
     """Turn a YAML value or a CLI string into the field's type, or raise ConfigError naming the
     key."""
     if key == "dataset":

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from errors import first_line
+from profiling import start_clock
 from run_folder import RunFolder
 
 ANSWER_WAIT_S = 5.0  # how long the rank that saw the failure waits for the others' notes
@@ -112,7 +113,13 @@ class Watch:
             self.gpu_forward_events.append((start, end))
             return
         started = time.perf_counter()
-        yield
+        if phase == "data" and not self.training:
+            # this start's first batch: the loader placed at the run's position, its workers
+            # started (the restart report's "data position", profiling.py)
+            with start_clock.phase("data position"):
+                yield
+        else:
+            yield
         self.alone_s[phase] += time.perf_counter() - started
 
     def step_done(self, step: int) -> None:

@@ -30,6 +30,7 @@ from hangs import SILENT_WAIT_S, stop_watching
 from hangs import explain as explain_hang
 from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
+from profiling import profile_window, start_clock, write_oom_snapshot
 from resume import check_same_run, check_sources
 from run_folder import RunFolder, held_run_folder, step_of
 from stopping import Preempted, StopSignals, stop_signals
@@ -113,10 +114,13 @@ def pick_run_number(newest: bool) -> int:
 def load_config_or_exit(argv, lease: bool = True) -> TrainConfig:
     """The checked config, or `error: ...` and exit 2: before any process group, port or folder
     exists. `lease`: on object storage, take the run's lease (rank 0; a check alone does not)."""
+    start_clock.lap("imports")  # the restart report's phases (profiling.py)
     try:
-        return load_checked_config(argv, lease)
+        cfg = load_checked_config(argv, lease)
     except ConfigError as e:
         exit_with_error(e)
+    start_clock.lap("checks")
+    return cfg
 
 
 def load_checked_config(argv, lease: bool = True) -> TrainConfig:
@@ -129,7 +133,8 @@ def load_checked_config(argv, lease: bool = True) -> TrainConfig:
     if lease and os.environ.get("RANK", "0") == "0":
         # on object storage: one job per URL, as the lock keeps one per folder (storage.py)
         open_run_folder(cfg).take_lease()
-    check_devices(cfg)  # sync_batchnorm: GPUs only
+    check_devices(cfg)  # sync_batchnorm, oom_snapshot: GPUs only
+    profile_window(cfg)  # --profile_steps START:END
     check_launch()  # a multi-node environment that started this process alone
     # each source of a mixture, or the one dataset
     for path in [source.path for source in cfg.mixture] or [cfg.dataset]:
@@ -176,6 +181,7 @@ def run_and_report(train_fn, cfg, make_plumbing) -> None:
     plumbing = None
     try:
         plumbing = make_plumbing(cfg)
+        start_clock.lap("process group")
         code = train_fn(cfg, plumbing)
     except Preempted:
         code = stopped_before_training(cfg, plumbing)
@@ -187,6 +193,8 @@ def run_and_report(train_fn, cfg, make_plumbing) -> None:
         if loader_connection_lost(e) is None:
             raise
         exit_with_error(loader_connection_lost(e))
+    except torch.OutOfMemoryError as e:  # a RuntimeError: before the clause below
+        exit_with_error(out_of_memory(e, cfg))
     except RuntimeError as e:
         if str(e).startswith(LOADER_DEATH):
             raise  # said by run_or_exit, out of the way of the loader's handler
@@ -219,6 +227,17 @@ def stopped_before_training(cfg, plumbing) -> int:
     said += "start again with --resume latest"
     print(said, file=sys.stderr)  # noqa: T201 - the job's one line
     return stop_signals.exit_code
+
+
+def out_of_memory(error: torch.OutOfMemoryError, cfg) -> RunError:
+    """The GPU ran out of memory: one line, with what to change, and with --oom_snapshot the memory
+    history written first (profiling.py)."""
+    said = f"out of GPU memory ({first_line(error)}): lower batch_size (raising grad_accum_steps "
+    said += "keeps the global batch), or turn on activation_checkpointing"
+    snapshot = write_oom_snapshot(cfg.run_dir or held_run_folder()) if cfg.oom_snapshot else None
+    if snapshot:
+        return RunError(f"{said}; what held the memory: {snapshot} (pytorch.org/memory_viz)")
+    return RunError(f"{said}; --oom_snapshot records what held it")
 
 
 def exit_after_flush(code: int) -> None:

@@ -35,6 +35,7 @@ from harness import evaluate_export
 from job import claim_run_folder, load_config_or_exit, run_or_exit
 from optim import build_optimizer, set_lr
 from plumbing import Plumbing, build_accelerator
+from profiling import ProfilerWindow
 from resume import TrainingDiverged, resume_or_start
 from saving import Checkpointer
 from stopping import stop_signals
@@ -102,6 +103,8 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
         accelerator.num_processes,
         accelerator.mixed_precision,
     )
+    # --profile_steps START:END: a torch.profiler trace of those steps, per rank (profiling.py)
+    profiler = ProfilerWindow(cfg, accelerator, resumed_step=state.step)
     # from now on a signal means: checkpoint at the next logging step, then stop
     stop_signals.loop_running = True
     # counted on the device: no sync per step
@@ -140,6 +143,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
                     optimizer.zero_grad(set_to_none=True)
         state.step += 1
         watch.step_done(state.step)  # after the first step: step_timeout_s
+        profiler.step_done(state.step)  # opens and closes the window
         throughput.step()
         is_last = state.step == cfg.max_steps
         stopping = False

@@ -23,6 +23,7 @@ from checkpoint import (
 )
 from errors import CheckpointError, ConfigError, RunError
 from plumbing import collectively, is_writer
+from profiling import start_clock
 from run_folder import LAYOUT, RunFolder
 from saving import recover_interrupted_swap
 from storage import open_run_folder
@@ -52,6 +53,7 @@ def resume_or_start(plumbing, cfg, parts: dict, identity: dict, log):
     process. Returns the run's config as settled by the resume (the LR horizon a resumed run
     keeps)."""
     start(plumbing, cfg, parts, identity, log)
+    start_clock.lap("checkpoint load")  # the restart report's (profiling.py)
     state = parts["train_state"]
     state.lr_decay_steps = lr_horizon(cfg, state.lr_decay_steps, log)
     return replace(cfg, lr_decay_steps=state.lr_decay_steps)
@@ -74,12 +76,13 @@ def start(plumbing, cfg, parts: dict, identity: dict, log) -> None:
         )
     on_object_storage = run_folder.on_bucket and cfg.resume == "latest"
     if on_object_storage:  # each node's writer downloads the newest intact one (storage.py)
-        collectively(
-            plumbing,
-            f"downloading the newest checkpoint of {cfg.output_dir}",
-            lambda: download_newest(plumbing, run_folder, writer, log),
-            CheckpointError,
-        )
+        with start_clock.phase("checkpoint download"):
+            collectively(
+                plumbing,
+                f"downloading the newest checkpoint of {cfg.output_dir}",
+                lambda: download_newest(plumbing, run_folder, writer, log),
+                CheckpointError,
+            )
     folder = collectively(
         plumbing,
         "choosing the checkpoint",

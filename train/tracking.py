@@ -23,9 +23,11 @@ from tqdm.auto import tqdm
 
 import task
 from blocks import flops_per_token
+from compiling import report as compile_report
 from config import TrainConfig
 from errors import first_line
 from plumbing import is_writer
+from profiling import start_clock
 from provenance import environment_info, launch_record
 from sharding import fsdp_setting
 from storage import StoreError, open_run_folder
@@ -44,6 +46,7 @@ class MetricsLogger:
         self.tracker_failed = False
         self.started = time.monotonic()  # for the summary's wall time
         self.evaluations: list[dict] = []  # this start's eval rows, for the summary
+        self.restart: dict | None = None  # the restart report's row, once start() knows the step
 
     def start(self, cfg: TrainConfig, step: int, run_info: dict) -> None:
         """Write config.yaml (the config as the resume settled it) and run_info.json; keep
@@ -76,6 +79,14 @@ class MetricsLogger:
         info_file.write_text(json.dumps({**run_info, "launches": launches}, indent=2) + "\n")
         path = self.folder.path("metrics")
         logged = path.read_text().splitlines(keepends=True) if path.exists() else []
+        # what the starts before this one trained past the checkpoint it resumes from
+        last_logged = max((_step_of(line) for line in logged), default=0)
+        self.restart = {
+            "step": step + 1,  # written after this start's first step
+            "start": len(launches),
+            "resumed_from_step": step,
+            "steps_lost": max(0, int(last_logged) - step),
+        }
         # a resume re-logs the rest
         path.write_text("".join(line for line in logged if _step_of(line) <= step))
         # line-buffered: readable while training runs
@@ -89,6 +100,10 @@ class MetricsLogger:
         """Start the configured trackers on the main process. W&B: a resumed run rewinds its W&B run
         to the checkpoint's step; a server without rewind gets a plain resume, one that cannot be
         reached offline mode."""
+        self._start_trackers(run_id, resumed_step)
+        start_clock.lap("trackers")  # the restart report's: since the checkpoint was loaded
+
+    def _start_trackers(self, run_id: str, resumed_step: int) -> None:
         names = self.cfg.trackers()
         if "wandb" in names and importlib.util.find_spec("wandb") is None:
             self.warn(
@@ -183,8 +198,34 @@ class MetricsLogger:
             self.info(line)
 
     def advance(self) -> None:
+        """After each step (and its logging): the progress bar; after this start's first, the
+        restart report."""
         if self.bar is not None:
             self.bar.update(1)
+        if self.restart is not None:
+            self.report_start()
+
+    def report_start(self) -> None:
+        """The restart report: where this start's seconds went, phase by phase, from the process's
+        start to the end of its first step (profiling.StartClock; the main process's), and the steps
+        lost since the checkpoint it resumed from (counted to the last step the earlier starts
+        logged: a crash after it loses up to log_every - 1 more). One metrics.jsonl row, one line."""
+        row, self.restart = self.restart, None
+        start_clock.lap("first step")
+        phases = {name: round(seconds, 3) for name, seconds in start_clock.phases.items()}
+        row["start_s"] = round(start_clock.since_start(), 3)
+        row.update({f"start_{name.replace(' ', '_')}_s": took for name, took in phases.items()})
+        row.update(compile_report())  # graphs compiled, and found in the kept cache
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self._to_trackers(row, row["step"])
+        said = ", ".join(f"{name} {took:.1f} s" for name, took in phases.items() if took >= 0.05)
+        line = f"start {row['start']}: {row['start_s']:.1f} s to the first step ({said})"
+        if row["resumed_from_step"]:
+            line += f"; resumed at step {row['resumed_from_step']}, {row['steps_lost']} steps lost"
+        if "compile_graphs_compiled" in row:
+            compiled, cached = row["compile_graphs_compiled"], row["compile_graphs_cached"]
+            line += f"; {compiled} graphs compiled, {cached} from the kept cache"
+        self.info(line)
 
     def _to_trackers(self, row: dict, step: int) -> None:
         if self.plumbing.trackers and not self.tracker_failed:
