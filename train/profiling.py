@@ -69,6 +69,7 @@ class ProfilerWindow:
         self.profiler = None
         self.step_span = None
         self.first_recorded = 0
+        self.last_recorded = 0  # the last step done inside the window
         # --oom_snapshot: the history from the first step, for an out-of-memory error's snapshot
         self.keep_memory_history = cfg.oom_snapshot and torch.cuda.is_available()
         if self.keep_memory_history:
@@ -81,6 +82,7 @@ class ProfilerWindow:
             return
         if self.profiler is not None:
             self.step_span.__exit__(None, None, None)
+            self.last_recorded = step
             if step >= self.window[1]:
                 self.close()
                 return
@@ -97,6 +99,7 @@ class ProfilerWindow:
         self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
         self.profiler.__enter__()
         self.first_recorded = first_step
+        self.last_recorded = first_step - 1
         self.step_span = torch.profiler.record_function(f"train step {first_step}")
         self.step_span.__enter__()
         atexit.register(self.close)  # a run stopped inside the window keeps what it recorded
@@ -111,7 +114,7 @@ class ProfilerWindow:
             self.step_span = None
         profiler.__exit__(None, None, None)
         self.folder.mkdir(parents=True, exist_ok=True)
-        name = f"rank{self.rank}.steps_{self.first_recorded}-{self.window[1]}"
+        name = f"rank{self.rank}.steps_{self.first_recorded}-{self.last_recorded}"
         profiler.export_chrome_trace(str(self.folder / f"{name}.pt.trace.json"))
         if torch.cuda.is_available():
             torch.cuda.memory._dump_snapshot(str(self.folder / f"{name}.memory.pickle"))

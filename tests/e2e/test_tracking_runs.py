@@ -113,6 +113,14 @@ def test_a_crashed_run_resumes_its_wandb_run_rewound_to_the_checkpoint(tmp_path,
     # the resumed run asks W&B to rewind to step 4, so the steps it logs again replace the crashed run's
     assert second["config"]["_wandb"]["branch_point"] == {"run_id": first["run_id"], "step": 4}
     assert [r["_step"] for r in second["history"]] == list(range(5, 11))
+    # the restart report, in W&B as in metrics.jsonl: rank 1 died after step 7 was logged, so the
+    # resume from step 4 lost steps 5 to 7
+    resumed_start = next(row for row in second["history"] if "start" in row)
+    assert (resumed_start["_step"], resumed_start["start"]) == (5, 2)
+    assert (resumed_start["resumed_from_step"], resumed_start["steps_lost"]) == (4, 3)
+    assert next(row for row in first["history"] if "start" in row)["steps_lost"] == 0
+    logged = [row for row in read_metrics(out) if "start" in row]
+    assert [(row["start"], row["steps_lost"]) for row in logged] == [(1, 0), (2, 3)]
 
 
 def short_wandb_run(out, corpus, tmp_path, env):

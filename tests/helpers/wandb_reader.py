@@ -42,12 +42,13 @@ def _parse(raw):
 
 
 def read_run(path) -> dict:
-    """{'run_id', 'config': {key: value}, 'history': [{key: value}], 'exit_code'}."""
-    run = {"run_id": None, "config": {}, "history": [], "exit_code": None}
+    """{'run_id', 'group', 'config': {key: value}, 'history': [{key: value}], 'exit_code'}."""
+    run = {"run_id": None, "group": None, "config": {}, "history": [], "exit_code": None}
     for record in records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run["run_id"] = record.run.run_id
+            run["group"] = record.run.run_group
             for item in record.run.config.update:
                 run["config"][item.key] = json.loads(item.value_json)
         elif kind == "config":
