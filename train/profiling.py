@@ -167,11 +167,33 @@ class StartClock:
             self._add(name, took)
             self.nested += took
 
-    def since_start(self) -> float:
-        return time.time() - self.begun
+    def finish(self, row: dict) -> dict:
+        """The restart report's row: `row` (tracking.py's: the start's number, the step it resumed from,
+        the steps lost) with the seconds since the process started and each phase's, after the first
+        step's lap."""
+        self.lap("first step")
+        phases = {f"start_{name.replace(' ', '_')}_s": took for name, took in self.phases.items()}
+        rounded = {key: round(took, 3) for key, took in phases.items()}
+        return {**row, "start_s": round(time.time() - self.begun, 3), **rounded}
 
     def _add(self, name: str, seconds: float) -> None:
         self.phases[name] = self.phases.get(name, 0.0) + max(seconds, 0.0)
+
+
+def restart_line(row: dict) -> str:
+    """The restart report's console line, from its row."""
+    phases = [
+        f"{key[len('start_') : -len('_s')].replace('_', ' ')} {took:.1f} s"
+        for key, took in row.items()
+        if key.startswith("start_") and key.endswith("_s") and key != "start_s" and took >= 0.05
+    ]
+    line = f"start {row['start']}: {row['start_s']:.1f} s to the first step ({', '.join(phases)})"
+    if row["resumed_from_step"]:
+        line += f"; resumed at step {row['resumed_from_step']}, {row['steps_lost']} steps lost"
+    if "compile_graphs_compiled" in row:
+        compiled, cached = row["compile_graphs_compiled"], row["compile_graphs_cached"]
+        line += f"; {compiled} graphs compiled, {cached} from the kept cache"
+    return line
 
 
 def process_started() -> float:

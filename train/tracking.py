@@ -27,7 +27,7 @@ from compiling import report as compile_report
 from config import TrainConfig
 from errors import first_line
 from plumbing import is_writer
-from profiling import start_clock
+from profiling import restart_line, start_clock
 from provenance import environment_info, launch_record
 from sharding import fsdp_setting
 from storage import StoreError, open_run_folder
@@ -80,7 +80,8 @@ class MetricsLogger:
         path = self.folder.path("metrics")
         logged = path.read_text().splitlines(keepends=True) if path.exists() else []
         # what the starts before this one trained past the checkpoint it resumes from
-        last_logged = max((_step_of(line) for line in logged), default=0)
+        steps_logged = [_step_of(line) for line in logged]
+        last_logged = max((step for step in steps_logged if math.isfinite(step)), default=0)
         self.restart = {
             "step": step + 1,  # written after this start's first step
             "start": len(launches),
@@ -206,26 +207,16 @@ class MetricsLogger:
             self.report_start()
 
     def report_start(self) -> None:
-        """The restart report: where this start's seconds went, phase by phase, from the process's
-        start to the end of its first step (profiling.StartClock; the main process's), and the steps
-        lost since the checkpoint it resumed from (counted to the last step the earlier starts
-        logged: a crash after it loses up to log_every - 1 more). One metrics.jsonl row, one line."""
+        """The restart report (profiling.py): one metrics.jsonl row and one line, after this start's
+        first step."""
         row, self.restart = self.restart, None
-        start_clock.lap("first step")
-        phases = {name: round(seconds, 3) for name, seconds in start_clock.phases.items()}
-        row["start_s"] = round(start_clock.since_start(), 3)
-        row.update({f"start_{name.replace(' ', '_')}_s": took for name, took in phases.items()})
-        row.update(compile_report())  # graphs compiled, and found in the kept cache
+        row = {
+            **start_clock.finish(row),
+            **compile_report(),
+        }  # graphs compiled, and kept ones found
         self.metrics_file.write(json.dumps(row) + "\n")
         self._to_trackers(row, row["step"])
-        said = ", ".join(f"{name} {took:.1f} s" for name, took in phases.items() if took >= 0.05)
-        line = f"start {row['start']}: {row['start_s']:.1f} s to the first step ({said})"
-        if row["resumed_from_step"]:
-            line += f"; resumed at step {row['resumed_from_step']}, {row['steps_lost']} steps lost"
-        if "compile_graphs_compiled" in row:
-            compiled, cached = row["compile_graphs_compiled"], row["compile_graphs_cached"]
-            line += f"; {compiled} graphs compiled, {cached} from the kept cache"
-        self.info(line)
+        self.info(restart_line(row))
 
     def _to_trackers(self, row: dict, step: int) -> None:
         if self.plumbing.trackers and not self.tracker_failed:

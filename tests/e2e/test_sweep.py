@@ -53,8 +53,8 @@ def test_a_killed_driver_resumes_its_trial_bitwise_and_reruns_no_finished_one(tm
     launch = [sys.executable, str(FAULTY_MAIN), *args]
     driver_cmd = [sys.executable, str(SWEEP), "--sweep_dir", str(sweep_dir), "--space", space]
     driver_cmd += ["--trials", "2", "--poll_s", "0.2", "--", *launch]
-    # a logging step lasts 0.2 s: the kill lands inside the second trial, after its checkpoint at 8
-    env = base_env(tmp_path, FAULT_SLOW_S=0.2)
+    # a logging step lasts 0.1 s: the kill lands inside the second trial, after its checkpoint at 8
+    env = base_env(tmp_path, FAULT_SLOW_S=0.1)
     driver = subprocess.Popen(
         driver_cmd,
         env=env,
@@ -95,10 +95,8 @@ def test_a_killed_driver_resumes_its_trial_bitwise_and_reruns_no_finished_one(tm
     lr = trials[1].params["lr"]
     assert yaml.safe_load((second / "config.yaml").read_text())["lr"] == lr
     straight = tmp_path / "straight"
-    direct = run(
-        [sys.executable, str(MAIN), *args, "--lr", repr(lr), "--output_dir", str(straight)],
-        base_env(tmp_path),
-    )
+    straight_args = [*args, "--lr", repr(lr), "--output_dir", str(straight), "--tracker", "none"]
+    direct = run([sys.executable, str(MAIN), *straight_args], base_env(tmp_path))
     assert direct.returncode == 0, direct.stdout[-2000:]
     assert (second / "model.safetensors").read_bytes() == (
         straight / "model.safetensors"
@@ -168,14 +166,15 @@ def test_a_pruned_trial_checkpoints_a_failed_one_is_recorded_and_a_broken_comman
         line.split()[:3] == ["1", "pruned", f"{pruned.intermediate_values[4]:.4g}"]
         for line in table
     )
-    # a launch command that cannot train at all stops the sweep at its first trial, in one line
-    broken = [sys.executable, str(MAIN), *trial_args(tmp_path / "missing.jsonl")]
+    # a launch command that cannot train at all (a typo in the script's name) stops the sweep at its
+    # first trial, in one line
+    broken = [sys.executable, str(REPO / "train" / "mian.py"), *args]
     stopped = run(
         [*driver[:2], "--sweep_dir", str(tmp_path / "broken"), "--space", space, "--", *broken], env
     )
     assert stopped.returncode == 2
     said = stopped.stdout.strip().splitlines()
     assert said[-1].startswith(
-        "error: the launch command failed before training (trial 0, exit 2): error: "
+        "error: the launch command failed before training (trial 0, exit 2): "
     )
-    assert "missing.jsonl" in said[-1] and not (tmp_path / "broken" / "trial_001").exists()
+    assert "mian.py" in said[-1] and not (tmp_path / "broken" / "trial_001").exists()

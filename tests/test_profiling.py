@@ -1,0 +1,89 @@
+"""profiling.py in one process: the window's edges (a resume inside it records the rest), the start clock's
+arithmetic, and the one-line refusals and out-of-memory line (the window across ranks and a stop:
+tests/e2e/test_profiling.py)."""
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from checks import check_devices
+from config import config_class
+from errors import ConfigError
+from job import out_of_memory
+from profiling import ProfilerWindow, StartClock, profile_window
+
+RunConfig = config_class()
+
+
+def test_profile_steps_are_checked_in_one_line_naming_the_key():
+    assert profile_window(RunConfig(profile_steps="3:5")) == (3, 5)
+    assert profile_window(RunConfig()) is None
+    for bad, said in [
+        ("3-5", "must be START:END"),
+        ("5:3", "needs 1 <= START <= END"),
+        ("0:2", "needs 1 <= START <= END"),
+        ("400:410", "starts after max_steps (300)"),
+    ]:
+        with pytest.raises(ConfigError, match="^profile_steps ") as refused:
+            profile_window(RunConfig(profile_steps=bad))
+        assert said in str(refused.value), str(refused.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_the_cuda_switches_are_refused_on_cpu_and_an_oom_is_one_line():
+    with pytest.raises(ConfigError, match="^oom_snapshot needs CUDA GPUs"):
+        check_devices(RunConfig(oom_snapshot=True))
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail")
+    line = str(out_of_memory(error, RunConfig(output_dir="run")))
+    assert line.startswith("out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB.)")
+    assert "lower batch_size" in line and line.endswith("--oom_snapshot records what held it")
+
+
+def steps(window: ProfilerWindow, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        torch.ones(8, 8, requires_grad=True).sum().backward()  # a step's work
+        window.step_done(step)
+
+
+def spans_of(trace) -> list[str]:
+    events = json.loads(trace.read_text())["traceEvents"]
+    return sorted(e["name"] for e in events if e.get("name", "").startswith("train step "))
+
+
+def test_the_window_records_its_steps_and_a_start_inside_it_records_the_rest(tmp_path):
+    rank0 = SimpleNamespace(process_index=0)
+    cfg = RunConfig(output_dir=str(tmp_path), profile_steps="3:5", max_steps=8)
+    fresh = ProfilerWindow(cfg, rank0, resumed_step=0)
+    steps(fresh, 1, 8)
+    resumed = ProfilerWindow(cfg, rank0, resumed_step=3)  # opens at once: steps 4 and 5 are left
+    steps(resumed, 4, 8)
+    after = ProfilerWindow(cfg, rank0, resumed_step=5)  # past the window: nothing
+    steps(after, 6, 8)
+    found = sorted(p.name for p in (tmp_path / "profile").iterdir())
+    assert found == ["rank0.steps_3-5.pt.trace.json", "rank0.steps_4-5.pt.trace.json"]
+    assert spans_of(tmp_path / "profile" / found[0]) == [f"train step {n}" for n in (3, 4, 5)]
+    assert spans_of(tmp_path / "profile" / found[1]) == ["train step 4", "train step 5"]
+
+
+def test_the_start_clock_s_phases_add_up_to_its_time_wherever_they_nest():
+    clock = StartClock()
+    clock.begun = clock.last_lap = time.time()
+    time.sleep(0.05)
+    clock.lap("checks")
+    with clock.phase("download"):
+        time.sleep(0.05)
+    time.sleep(0.05)
+    clock.lap("load")  # less the download inside it
+    row = clock.finish({"start": 1})
+    phases = {key: value for key, value in row.items() if key.endswith("_s") and key != "start_s"}
+    assert list(phases) == [
+        "start_checks_s",
+        "start_download_s",
+        "start_load_s",
+        "start_first_step_s",
+    ]
+    assert all(0.04 < phases[f"start_{name}_s"] < 0.2 for name in ("checks", "download", "load"))
+    assert abs(sum(phases.values()) - row["start_s"]) < 0.005
