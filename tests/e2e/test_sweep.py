@@ -49,7 +49,7 @@ def test_a_killed_driver_resumes_its_trial_bitwise_and_reruns_no_finished_one(tm
         objective="eval_loss",
         parameters={"lr": {"low": 1e-3, "high": 1e-2, "log": True}},
     )
-    args = trial_args(corpus, max_steps=16, eval_every=8, save_every=8, tracker="wandb")
+    args = trial_args(corpus, max_steps=16, eval_every=8, save_every=8)
     launch = [sys.executable, str(FAULTY_MAIN), *args]
     driver_cmd = [sys.executable, str(SWEEP), "--sweep_dir", str(sweep_dir), "--space", space]
     driver_cmd += ["--trials", "2", "--poll_s", "0.2", "--", *launch]
@@ -95,7 +95,7 @@ def test_a_killed_driver_resumes_its_trial_bitwise_and_reruns_no_finished_one(tm
     lr = trials[1].params["lr"]
     assert yaml.safe_load((second / "config.yaml").read_text())["lr"] == lr
     straight = tmp_path / "straight"
-    straight_args = [*args, "--lr", repr(lr), "--output_dir", str(straight), "--tracker", "none"]
+    straight_args = [*args, "--lr", repr(lr), "--output_dir", str(straight)]
     direct = run([sys.executable, str(MAIN), *straight_args], base_env(tmp_path))
     assert direct.returncode == 0, direct.stdout[-2000:]
     assert (second / "model.safetensors").read_bytes() == (
@@ -111,12 +111,6 @@ def test_a_killed_driver_resumes_its_trial_bitwise_and_reruns_no_finished_one(tm
         trials[1].value
         == [row for row in read_metrics(straight) if "eval_loss" in row][-1]["eval_loss"]
     )
-    # each trial is a W&B run in the sweep's group, its parameters in its config
-    wandb_runs = [
-        read_run(p) for p in (sweep_dir / "trial_000" / "wandb").glob("offline-run-*/run-*.wandb")
-    ]
-    assert len(wandb_runs) == 1 and wandb_runs[0]["group"] == "lr_sweep"
-    assert wandb_runs[0]["config"]["lr"] == trials[0].params["lr"]
     # the summary: the table (trials.csv too) and the plot
     assert "best: trial" in again.stdout and (sweep_dir / "objective.png").stat().st_size > 0
     rows = (sweep_dir / "trials.csv").read_text().splitlines()
@@ -134,7 +128,7 @@ def test_a_pruned_trial_checkpoints_a_failed_one_is_recorded_and_a_broken_comman
         parameters={"warmup_steps": {"choices": [1, 2]}},
         pruner={"name": "ThresholdPruner", "lower": 100.0},
     )
-    args = trial_args(corpus, max_steps=40, eval_every=4, save_every=0)
+    args = trial_args(corpus, max_steps=40, eval_every=4, save_every=0, tracker="wandb")
     # the first trial's loss goes nan at step 3: it fails (exit 1); the second trains until it is pruned
     env = base_env(tmp_path, FAULT_NAN_STEP=3, FAULT_ONCE=tmp_path / "once")
     driver = [
@@ -160,6 +154,15 @@ def test_a_pruned_trial_checkpoints_a_failed_one_is_recorded_and_a_broken_comman
     # SIGTERM, as a preemption: the trial checkpointed, and could be resumed by hand
     marker = json.loads((sweep_dir / "trial_001" / "preempted.json").read_text())
     assert 4 <= marker["step"] < 40 and (sweep_dir / "trial_001" / "checkpoints").is_dir()
+    # each trial is a W&B run in the sweep's group, its parameters in its config
+    wandb_run = read_run(
+        next((sweep_dir / "trial_001" / "wandb").glob("offline-run-*/run-*.wandb"))
+    )
+    assert (
+        wandb_run["group"] == "pruning"
+        and wandb_run["config"]["warmup_steps"] == pruned.params["warmup_steps"]
+    )
+    assert wandb_run["config"]["run_name"] == "pruning-001"
     table = result.stdout.splitlines()
     assert any(line.split()[:2] == ["0", "fail"] for line in table)
     assert any(
