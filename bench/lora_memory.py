@@ -25,9 +25,8 @@ TRAIN = Path(__file__).resolve().parents[1] / "train"
 
 def measure(args) -> dict:
     sys.path.insert(0, str(TRAIN))
-    import torch
-
     import peft  # noqa: F401 - imported in both modes: the same interpreter before the model is built
+    import torch
 
     import checkpoint
     import task

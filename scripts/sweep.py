@@ -333,12 +333,11 @@ class Sweep:
                 return "pruned"
             if code == 0:
                 return self.finished(trial, run_dir, rows)
-            if (
-                code in (PREEMPTED_EXIT_CODE, INTERRUPTED_EXIT_CODE)
-                and self.stop_signal is not None
-            ):
-                return "stopped"
-            if code == PREEMPTED_EXIT_CODE and requeues < REQUEUES_PER_TRIAL:
+            if self.stop_signal is not None:
+                return "stopped"  # whatever its launcher says, the next driver resumes it
+            # accelerate launch and torchrun exit 1 for a preempted run: its marker tells
+            preempted = code == PREEMPTED_EXIT_CODE or (run_dir / "preempted.json").exists()
+            if preempted and requeues < REQUEUES_PER_TRIAL:
                 requeues += 1  # this trial alone was preempted: requeued, as a scheduler would
                 say(
                     f"trial {trial.number}: preempted, resuming it ({requeues}/{REQUEUES_PER_TRIAL})"
