@@ -385,6 +385,59 @@ BREAKS = (
         '"model": Weights(module)',
         ("tests/test_adapters.py::test_a_checkpoint_holds_the_adapters_alone_and_restores_them",),
     ),
+    Break(
+        "a restarted sweep driver starts its interrupted trial afresh instead of resuming it",
+        "scripts/sweep.py",
+        'command_now = [*command, "--resume", "latest"]',
+        "command_now = command",
+        (
+            "tests/e2e/test_sweep.py::test_a_killed_driver_resumes_its_trial_bitwise_and_reruns_no_"
+            "finished_one",
+        ),
+        quick=False,
+    ),
+    Break(
+        "the sweep reports the objective but never asks the pruner",
+        "scripts/sweep.py",
+        "if pruned_at is None and code is None and trial.should_prune():",
+        "if False:",
+        (
+            "tests/e2e/test_sweep.py::test_a_pruned_trial_checkpoints_a_failed_one_is_recorded_and_a_"
+            "broken_command_is_one_line",
+        ),
+        quick=False,
+    ),
+    Break(
+        "a run resumed inside the profiler window records nothing",
+        "train/profiling.py",
+        "self.window[0] - 1 <= resumed_step < self.window[1]",
+        "self.window[0] - 1 == resumed_step",
+        (
+            "tests/test_profiling.py::test_the_window_records_its_steps_and_a_start_inside_it_records_"
+            "the_rest",
+        ),
+    ),
+    Break(
+        "the restart report counts no steps lost",
+        "train/tracking.py",
+        '"steps_lost": max(0, int(last_logged) - step),',
+        '"steps_lost": 0,',
+        (
+            "tests/e2e/test_tracking_runs.py::test_a_crashed_run_resumes_its_wandb_run_rewound_to_the_"
+            "checkpoint",
+        ),
+        quick=False,
+    ),
+    Break(
+        "a nested phase is counted twice in the restart report",
+        "train/profiling.py",
+        "self._add(name, now - self.last_lap - self.nested)",
+        "self._add(name, now - self.last_lap)",
+        (
+            "tests/test_profiling.py::test_the_start_clock_s_phases_add_up_to_its_time_wherever_they_"
+            "nest",
+        ),
+    ),
 )
 
 

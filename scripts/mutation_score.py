@@ -1,0 +1,146 @@
+"""A mutation score from a real tool: mutmut 3 breaks one module of train/ at a time, every way its operators
+allow (an unbiased sample of breaks, not one chosen beside the tests), and runs the quick tier's tests that
+reach each broken function. Not part of the suite: it takes minutes per module.
+
+    pip install mutmut==3.8.1
+    python scripts/mutation_score.py                     # every module below; writes docs/mutation-score.md
+    python scripts/mutation_score.py sources optim       # some of them (the others' rows are kept)
+
+mutmut names a mutant by its file's path and matches it to a function by the function's __module__; train/'s
+modules are imported by their own names (`import config`), so each module is run in a scratch copy of the
+repository with train/'s files at its root (pytest's pythonpath there puts them first, and train/ last: its
+data files stay where the tests look, the mutated modules are the ones imported). What survives is listed per
+module; docs/mutation-score.md keeps each survivor's triage (a test added, or why the mutant is
+equivalent). scripts/mutations.py stays for end-to-end behaviour (kills mid-save, resumes, launchers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# module of train/: the quick-tier tests that reach its logic
+MODULES = {
+    "config": ["tests/test_config.py"],
+    "sources": ["tests/test_mixture.py", "tests/test_config.py"],
+    "mixture": ["tests/test_mixture.py"],
+    "batches": ["tests/test_batches.py"],
+    "task": ["tests/test_task.py"],
+    "buffers": ["tests/test_checkpoint.py", "tests/test_task.py"],
+    "optim": ["tests/test_schedule.py"],
+    "resume": ["tests/test_checkpoint.py"],
+    "storage": ["tests/test_storage.py"],
+    "checkpoint": ["tests/test_checkpoint.py"],
+    "profiling": ["tests/test_profiling.py"],
+}
+REPORT = REPO / "docs" / "mutation-score.md"
+RESULTS = REPO / "docs" / "mutation-score.json"  # the measured counts and survivors, per module
+STATUS = re.compile(r"^\s*(\S+__mutmut_\d+): (.+)$")
+
+
+def scratch_copy(module: str, tests: list[str]) -> Path:
+    """The repository's tracked files, train/'s modules also at the root, and mutmut's settings."""
+    folder = Path(tempfile.mkdtemp(prefix=f"mutation-{module}-"))
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    for name in listed.stdout.split():
+        source = REPO / name
+        if source.is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, folder / name)
+    for path in (REPO / "train").glob("*.py"):
+        shutil.copy2(path, folder / path.name)
+    settings = folder / "pyproject.toml"
+    text = settings.read_text()
+    paths = 'pythonpath = ["train", "tests/helpers"]'
+    assert paths in text, "pyproject.toml no longer puts train/ on pytest's path as expected"
+    # the root (the mutated copies) first; train/ last, for what imports by path
+    settings.write_text(text.replace(paths, 'pythonpath = [".", "tests/helpers", "train"]'))
+    selection = "\n    ".join(tests)
+    (folder / "setup.cfg").write_text(
+        "[mutmut]\n"
+        "source_paths = .\n"
+        f"only_mutate = {module}.py\n"
+        f"pytest_add_cli_args_test_selection =\n    {selection}\n"
+        "pytest_add_cli_args =\n    -m\n    not slow\n    -p\n    no:cacheprovider\n"
+    )
+    return folder
+
+
+def run_module(module: str, tests: list[str]) -> dict:
+    folder = scratch_copy(module, tests)
+    began = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "mutmut", "run"], cwd=folder, capture_output=True, text=True
+    )
+    results = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+    )
+    statuses = {}
+    for line in results.stdout.splitlines():
+        if match := STATUS.match(line):
+            statuses[match.group(1)] = match.group(2).strip()
+    if not statuses:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise SystemExit(
+            f"{module}: mutmut gave no results:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+        )
+    survivors = {}
+    for name, status in statuses.items():
+        if status in ("survived", "no tests"):
+            shown = subprocess.run(
+                [sys.executable, "-m", "mutmut", "show", name],
+                cwd=folder,
+                capture_output=True,
+                text=True,
+            )
+            diff = [
+                line
+                for line in shown.stdout.splitlines()
+                if line[:1] in "+-" and not line.startswith(("+++", "---"))
+            ]
+            survivors[name] = {"status": status, "diff": diff}
+    shutil.rmtree(folder, ignore_errors=True)
+    counts = {}
+    for status in statuses.values():
+        counts[status] = counts.get(status, 0) + 1
+    return {"counts": counts, "survivors": survivors, "minutes": (time.monotonic() - began) / 60}
+
+
+def killed_share(counts: dict) -> float:
+    """Killed (a test failed, or timed out) of the mutants a test could judge."""
+    killed = counts.get("killed", 0) + counts.get("timeout", 0)
+    judged = killed + counts.get("survived", 0) + counts.get("no tests", 0)
+    return killed / judged if judged else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", default=list(MODULES), choices=list(MODULES))
+    args = parser.parse_args()
+    measured = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    for module in args.modules:
+        print(
+            f"{module}: mutating train/{module}.py, tests {' '.join(MODULES[module])}", flush=True
+        )
+        measured[module] = run_module(module, MODULES[module])
+        counts = measured[module]["counts"]
+        print(f"{module}: {killed_share(counts):.0%} killed {counts}", flush=True)
+        RESULTS.write_text(json.dumps(measured, indent=1) + "\n")
+    print(f"results: {RESULTS}; the survivors' triage goes into {REPORT}")
+
+
+if __name__ == "__main__":
+    main()
