@@ -1,6 +1,6 @@
 """profiling.py in one process: the window's edges (a resume inside it records the rest), the start clock's
 arithmetic, and the one-line refusals and out-of-memory line (the window across ranks and a stop:
-tests/e2e/test_profile_runs.py)."""
+tests/e2e/test_tracking_runs.py; a stop inside it: tests/e2e/test_resume.py)."""
 
 import json
 import time

@@ -84,7 +84,7 @@ def signal_at_step(job: subprocess.Popen, run_dir, step: int, signum: int) -> tu
         deadline = time.time() + 120
         while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
             time.sleep(0.2)
-        while time.time() < deadline and len(read_metrics(run_dir)) < step:
+        while time.time() < deadline and len(losses_logged(run_dir)) < step:
             time.sleep(0.05)
         os.killpg(job.pid, signum)
         signalled = time.time()
@@ -127,6 +127,10 @@ def test_sigterm_to_the_launcher_with_loader_workers_checkpoints_and_resumes_exa
     )  # the first one kept
     assert "--resume" not in launches[0]["command"] and "--resume" in launches[1]["command"]
     assert_matches_baseline(run_dir, baseline)
+
+
+def losses_logged(run_dir) -> list[dict]:
+    return [row for row in read_metrics(run_dir) if "loss" in row]
 
 
 def children_of(pid: int) -> list[int]:
@@ -182,7 +186,7 @@ def test_a_launcher_killed_with_kill_9_leaves_no_worker_and_the_run_resumes_exac
         deadline = time.time() + 120
         while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
             time.sleep(0.2)
-        while time.time() < deadline and len(read_metrics(run_dir)) < 4:
+        while time.time() < deadline and len(losses_logged(run_dir)) < 4:
             time.sleep(0.05)
         workers = children_of(launcher.pid)
         assert len(workers) == 2 and all(session_of(w) != launcher.pid for w in workers), workers
@@ -208,9 +212,10 @@ def test_a_launcher_killed_with_kill_9_leaves_no_worker_and_the_run_resumes_exac
 
 
 def test_sigusr1_without_a_launcher_exits_75_after_a_checkpoint(tmp_path, corpus):
+    """Also: a stop inside a --profile_steps window writes the trace of the steps it recorded."""
     run_dir = tmp_path / "run"
     stopped = run_python(
-        tiny_args(run_dir, corpus, max_steps=12, save_every=0),
+        tiny_args(run_dir, corpus, max_steps=12, save_every=0, profile_steps="4:8"),
         tmp_path,
         script=FAULTY_MAIN,
         env_extra={"FAULT_STEP": 5, "FAULT_ACTION": "sigusr1"},
@@ -219,6 +224,9 @@ def test_sigusr1_without_a_launcher_exits_75_after_a_checkpoint(tmp_path, corpus
     assert json.loads((run_dir / "preempted.json").read_text())["signal"] == "SIGUSR1"
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000005"]
     assert not (run_dir / "model.safetensors").exists()  # stopped, not finished
+    trace = json.loads((run_dir / "profile" / "rank0.steps_4-5.pt.trace.json").read_text())
+    spans = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("train step ")}
+    assert {"train step 4", "train step 5"} <= spans, spans
 
 
 def test_resume_into_a_different_model_is_a_one_line_error(tmp_path, corpus, baseline):

@@ -1,5 +1,6 @@
 """Trackers end to end: W&B offline from 2 processes, run continuity on resume, TensorBoard, fallbacks, plots."""
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,11 @@ def assert_no_secrets(folder):
                 assert secret.encode() not in data, f"{secret} written to {path}"
 
 
-def test_wandb_offline_two_processes_and_tensorboard(tmp_path, corpus):
+def test_a_two_process_run_reports_to_wandb_offline_tensorboard_its_restart_report_and_profile(
+    tmp_path, corpus
+):
+    """What a run reports, from 2 processes: W&B offline and TensorBoard (the main process only), the
+    restart report, and a --profile_steps window's trace per rank."""
     out = tmp_path / "run"
     result = launch_accelerate(
         tiny_args(
@@ -51,6 +56,7 @@ def test_wandb_offline_two_processes_and_tensorboard(tmp_path, corpus):
             eval_every=4,
             save_every=0,
             tracker="wandb,tensorboard",
+            profile_steps="3:4",
         ),
         tmp_path,
         env_extra={**SECRETS, "WANDB_SILENT": "false"},
@@ -67,12 +73,36 @@ def test_wandb_offline_two_processes_and_tensorboard(tmp_path, corpus):
         wandb_run["config"]["lr"] == 3e-3 and wandb_run["config"]["tracker"] == "wandb,tensorboard"
     )
     steps = {row["_step"]: row for row in wandb_run["history"]}
-    assert sorted(steps) == [2, 4, 6, 8]
+    # the logging steps, and step 1's restart report (written after the first step)
+    assert sorted(steps) == [1, 2, 4, 6, 8] and steps[1]["start"] == 1 and "loss" not in steps[1]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s"):
         assert key in steps[8], key
     assert "eval_loss" in steps[4] and "eval_perplexity" in steps[8]
     jsonl = {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r}
-    assert {s: steps[s]["loss"] for s in steps} == jsonl  # the same numbers in both places
+    logged = {s: steps[s]["loss"] for s in steps if "loss" in steps[s]}
+    assert logged == jsonl  # the same numbers in both places
+    # the restart report: its phases add up to its time to the first step (the steps lost on a resume:
+    # the crashed run below)
+    (start,) = [row for row in read_metrics(out) if "start" in row]
+    assert (start["start"], start["step"], start["resumed_from_step"], start["steps_lost"]) == (
+        1,
+        1,
+        0,
+        0,
+    )
+    phases = {key: value for key, value in start.items() if key.endswith("_s") and key != "start_s"}
+    expected = {"start_imports_s", "start_process_group_s", "start_data_s", "start_first_step_s"}
+    assert expected <= set(phases) and abs(sum(phases.values()) - start["start_s"]) < 0.05, start
+    line = next(line for line in result.output.splitlines() if line.startswith("start 1: "))
+    assert f"{start['start_s']:.1f} s to the first step (imports" in line, line
+    # the profiler window: one trace per rank, holding steps 3 and 4 and no other, each with its forward
+    # and backward
+    for rank in (0, 1):
+        spans, ops = trace_spans(out / "profile" / f"rank{rank}.steps_3-4.pt.trace.json")
+        assert sorted(spans) == [3, 4], sorted(spans)
+        for step in (3, 4):
+            inside = {op["name"] for op in ops if spans[step][0] <= op["ts"] <= spans[step][1]}
+            assert {"aten::embedding", "EmbeddingBackward0"} <= inside, (rank, step)
     assert_no_secrets(out)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -82,6 +112,17 @@ def test_wandb_offline_two_processes_and_tensorboard(tmp_path, corpus):
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(
         [jsonl[s] for s in (2, 4, 6, 8)]
     )
+
+
+def trace_spans(trace_file) -> tuple[dict[int, tuple[float, float]], list[dict]]:
+    """A profiler trace's ({step: (start, end) of its `train step N` span}, its other events)."""
+    events = [e for e in json.loads(trace_file.read_text())["traceEvents"] if e.get("ph") == "X"]
+    spans = {
+        int(e["name"].split()[-1]): (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e["name"].startswith("train step ")
+    }
+    return spans, [e for e in events if not e["name"].startswith("train step ")]
 
 
 def test_a_crashed_run_resumes_its_wandb_run_rewound_to_the_checkpoint(tmp_path, corpus):
