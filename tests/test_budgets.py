@@ -23,6 +23,7 @@ row (the steps lost, read from the rows a resume drops; profiling.py times the p
 """
 
 import ast
+import functools
 import io
 import tokenize
 
@@ -47,6 +48,14 @@ FUNCTION = 50  # code lines of any other function
 
 def code_lines(source: str, first: int = 1, last: int | None = None) -> int:
     """Lines first..last of `source` that hold code: no blank lines, comments or docstrings."""
+    last = last or len(source.splitlines())
+    return len([n for n in code_line_numbers(source) if first <= n <= last])
+
+
+@functools.cache
+def code_line_numbers(source: str) -> frozenset[int]:
+    """The numbers of the lines of `source` that hold code (worked out once per file: every function
+    of a module is counted in it)."""
     tree = ast.parse(source)
     docstrings = set()
     for node in ast.walk(tree):
@@ -67,8 +76,7 @@ def code_lines(source: str, first: int = 1, last: int | None = None) -> int:
         ):
             continue
         code.update(range(token.start[0], token.end[0] + 1))
-    last = last or len(source.splitlines())
-    return len([n for n in code - docstrings if first <= n <= last])
+    return frozenset(code - docstrings)
 
 
 def test_each_module_stays_within_its_budget_and_the_total_is_reported():
