@@ -142,7 +142,8 @@ def restart(command: list[str], env: dict, run: Path) -> tuple[float, dict]:
     starts_before = sum(1 for row in all_rows(metrics) if "start" in row)
     launched = time.perf_counter()
     job = launch(command, env)
-    while sum(1 for row in all_rows(metrics) if "start" in row) == starts_before:
+    # (the resumed run rewrites metrics.jsonl without the rows past its checkpoint: count up, not apart)
+    while sum(1 for row in all_rows(metrics) if "start" in row) <= starts_before:
         if job.poll() is not None:
             sys.exit(f"the restart ended before its first step:\n{job.stdout.read()[-3000:]}")
         time.sleep(0.01)

@@ -252,19 +252,22 @@ class Sweep:
         self.poll_s = args.poll_s
         self.space, self.command = settled(self.dir, args)
         storage = args.storage or f"sqlite:///{self.dir.resolve() / 'study.db'}"
-        sampler = (
-            optuna.samplers.TPESampler(seed=self.space["seed"])
-            if self.space["sampler"] == "tpe"
-            else optuna.samplers.RandomSampler(seed=self.space["seed"])
-        )
         self.study = optuna.create_study(
             storage=storage,
             study_name=self.name,
             direction=self.space["direction"],
-            sampler=sampler,
             pruner=pruner_of(self.space),
             load_if_exists=True,
         )
+        # seeded by the trials the study already holds: a restarted driver (or a second one) does not
+        # draw the first trials' values again
+        seed = self.space["seed"] + len(self.study.get_trials(deepcopy=False))
+        kind = (
+            optuna.samplers.TPESampler
+            if self.space["sampler"] == "tpe"
+            else optuna.samplers.RandomSampler
+        )
+        self.study.sampler = kind(seed=seed)
         self.driver = f"{socket.gethostname()}:{self.dir.resolve()}"
         self.running = None  # the trial's launcher (subprocess.Popen)
         self.stop_signal = (
