@@ -270,9 +270,8 @@ class Sweep:
         self.study.sampler = kind(seed=seed)
         self.driver = f"{socket.gethostname()}:{self.dir.resolve()}"
         self.running = None  # the trial's launcher (subprocess.Popen)
-        self.stop_signal = (
-            None  # SIGTERM or SIGINT to the driver: stop after the trial's checkpoint
-        )
+        # SIGTERM or SIGINT to the driver: stop after the trial's checkpoint
+        self.stop_signal = None
 
     # ------------------------------------------------------------ the loop
 
@@ -291,9 +290,9 @@ class Sweep:
             if t.user_attrs.get("driver") == self.driver
         ]
         for frozen in interrupted:
-            say(
-                f"trial {frozen.number}: resuming from its last checkpoint ({frozen.user_attrs['run_dir']})"
-            )
+            where = frozen.user_attrs["run_dir"]
+            say(f"trial {frozen.number}: resuming from its last checkpoint ({where})")
+            # the running trial of the driver that died, reported to again (Optuna keeps it by id)
             trial = optuna.trial.Trial(self.study, frozen._trial_id)
             if self.run_trial(trial, frozen.params, resume=True) == "stopped":
                 return self.stopped()
@@ -355,9 +354,8 @@ class Sweep:
         the objective values reported)."""
         log_path = self.dir / "logs" / f"trial_{trial.number:03d}.log"
         log_path.parent.mkdir(exist_ok=True)
-        reported = dict(
-            self.frozen(trial.number).intermediate_values
-        )  # a resumed trial's earlier ones
+        # {step: objective} reported so far (a resumed trial's earlier ones too)
+        reported = dict(self.frozen(trial.number).intermediate_values)
         pruned_at = None
         with open(log_path, "a") as log:
             log.write(f"$ {' '.join(command)}\n")
@@ -370,7 +368,7 @@ class Sweep:
                 code = self.running.poll()
                 for row in metrics.new_rows():
                     value = row.get(self.objective)
-                    if pruned_at is not None or row["step"] in reported:
+                    if pruned_at is not None or row.get("step") in reported:
                         continue  # pruned: what it logs on its way out is not reported
                     if not isinstance(value, (int, float)):
                         continue
