@@ -21,13 +21,17 @@ KEY = "torchrun_job/joined/"  # + a node's rank
 
 
 def main(state_file: str) -> int:
-    from torch.distributed import TCPStore
-
     nodes = int(os.environ.get("PET_NNODES", "1"))
     rank = int(os.environ.get("PET_NODE_RANK", "0"))
     address = f"{os.environ.get('PET_MASTER_ADDR', '127.0.0.1')}:{os.environ.get('PET_MASTER_PORT', '29500')}"
     timeout = float(os.environ.get("RDZV_TIMEOUT_S", "600"))
     every = min(30.0, timeout / 3)
+    # none counted yet, before torch's import (seconds): a torchrun that gives up before the first
+    # count still ends the job with its line
+    with open(state_file, "w") as state:
+        state.write(f"0 {nodes} {address}\n")
+    from torch.distributed import TCPStore
+
     started = time.monotonic()
     store = None
     while nodes > 1:
@@ -40,7 +44,8 @@ def main(state_file: str) -> int:
                     int(port),
                     None,
                     False,
-                    datetime.timedelta(seconds=5),
+                    # short tries: the first line comes well inside a short RDZV_TIMEOUT_S
+                    datetime.timedelta(seconds=min(5.0, every / 2)),
                     wait_for_workers=False,
                 )
                 store.set(f"{KEY}{rank}", "1")
