@@ -11,11 +11,13 @@ import torch
 
 from checks import check_devices
 from config import config_class
+from conftest import REPO
 from errors import ConfigError
 from job import out_of_memory
-from profiling import ProfilerWindow, StartClock, profile_window
+from profiling import ProfilerWindow, StartClock, profile_window, restart_line
 
 RunConfig = config_class()
+TRAIN = REPO / "train"
 
 
 def test_profile_steps_are_checked_in_one_line_naming_the_key():
@@ -87,3 +89,55 @@ def test_the_start_clock_s_phases_add_up_to_its_time_wherever_they_nest():
     ]
     assert all(0.04 < phases[f"start_{name}_s"] < 0.2 for name in ("checks", "download", "load"))
     assert abs(sum(phases.values()) - row["start_s"]) < 0.005
+
+
+def test_the_window_s_edges_and_its_refusals_are_exact():
+    assert profile_window(RunConfig(profile_steps="1:1")) == (1, 1)  # the first step alone
+    assert profile_window(RunConfig(profile_steps=" 2 : 300 ")) == (2, 300)  # up to max_steps
+    for bad in ("a:5", "3:b", "3:", ":5", "3:5:7"):
+        with pytest.raises(ConfigError) as refused:
+            profile_window(RunConfig(profile_steps=bad))
+        assert str(refused.value) == (
+            "profile_steps must be START:END, the first and the last step to record, e.g. 10:12 "
+            f"(got {bad!r})"
+        )
+
+
+def test_the_restart_line_says_each_phase_the_steps_lost_and_the_compile():
+    row = {
+        "start": 3,
+        "resumed_from_step": 40,
+        "steps_lost": 7,
+        "start_s": 12.34,
+        "start_imports_s": 2.0,
+        "start_checks_s": 0.01,  # under 0.05 s: not said
+        "start_checkpoint_load_s": 1.25,
+        "start_first_step_s": 9.0,
+        "compile_graphs_compiled": 0,
+        "compile_graphs_cached": 24,
+    }
+    assert restart_line(row) == (
+        "start 3: 12.3 s to the first step (imports 2.0 s, checkpoint load 1.2 s, first step 9.0 s); "
+        "resumed at step 40, 7 steps lost; 0 graphs compiled, 24 from the kept cache"
+    )
+    fresh = {
+        "start": 1,
+        "resumed_from_step": 0,
+        "steps_lost": 0,
+        "start_s": 5.0,
+        "start_data_s": 5.0,
+    }
+    assert restart_line(fresh) == "start 1: 5.0 s to the first step (data 5.0 s)"
+
+
+def test_the_process_s_start_is_read_from_proc():
+    """The clock starts when the process did (so that imports count), not when profiling.py was imported."""
+    import subprocess
+    import sys
+
+    script = "import time; time.sleep(0.5); import profiling; print(profiling.start_clock.begun, time.time())"
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=TRAIN
+    ).stdout.split()
+    begun, now = float(out[0]), float(out[1])
+    assert 0.5 <= now - begun < 5.0, now - begun
