@@ -23,6 +23,14 @@ def write_space(path, **space) -> str:
     return str(path)
 
 
+def driver_argv(sweep_dir, space: str, trials: int) -> list[str]:
+    """The driver's flags over the stand-in trial, polling fast."""
+    return [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", str(trials)),
+        *("--poll_s", "0.02", "--", *FAKE),
+    ]
+
+
 def trials_of(sweep_dir) -> list:
     storage = f"sqlite:///{sweep_dir / 'study.db'}"
     return optuna.load_study(study_name=sweep_dir.name, storage=storage).get_trials()
@@ -52,18 +60,7 @@ def test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm(
         pruner={"name": "ThresholdPruner", "upper": 10.0},
     )
     monkeypatch.setenv("FAKE_FAIL_ONCE", str(tmp_path / "failed"))
-    argv = [
-        "--sweep_dir",
-        str(sweep_dir),
-        "--space",
-        space,
-        "--trials",
-        "3",
-        "--poll_s",
-        "0.02",
-        "--",
-        *FAKE,
-    ]
+    argv = driver_argv(sweep_dir, space, trials=3)
     assert sweep_script().main(argv) == 0
     out = capsys.readouterr().out
     failed, *pruned = trials_of(sweep_dir)
@@ -97,18 +94,7 @@ def test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes(
 ):
     sweep_dir = tmp_path / "stopped"
     space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
-    argv = [
-        "--sweep_dir",
-        str(sweep_dir),
-        "--space",
-        space,
-        "--trials",
-        "2",
-        "--poll_s",
-        "0.02",
-        "--",
-        *FAKE,
-    ]
+    argv = driver_argv(sweep_dir, space, trials=2)
     first = sweep_dir / "trial_000"
 
     def preempt_the_driver():  # as a scheduler does, once the first trial has trained a few steps
