@@ -29,16 +29,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # module of train/: the quick-tier tests that reach its logic
 MODULES = {
-    "config": ["tests/test_config.py"],
+    "config": ["tests/test_config.py", "tests/test_launch_configs.py"],
     "sources": ["tests/test_mixture.py", "tests/test_config.py"],
     "mixture": ["tests/test_mixture.py"],
-    "batches": ["tests/test_batches.py"],
-    "task": ["tests/test_task.py"],
-    "buffers": ["tests/test_checkpoint.py", "tests/test_task.py"],
+    "batches": ["tests/test_batches.py", "tests/test_mixture.py"],
+    "task": ["tests/test_task.py", "tests/test_lm.py"],
+    "buffers": ["tests/test_sharding.py", "tests/test_task.py"],
     "optim": ["tests/test_schedule.py"],
-    "resume": ["tests/test_checkpoint.py"],
+    "resume": ["tests/test_checkpoint.py", "tests/test_sharding.py"],
     "storage": ["tests/test_storage.py"],
-    "checkpoint": ["tests/test_checkpoint.py"],
+    "checkpoint": ["tests/test_checkpoint.py", "tests/test_saving.py", "tests/test_sharding.py"],
     "profiling": ["tests/test_profiling.py"],
 }
 REPORT = REPO / "docs" / "mutation-score.md"

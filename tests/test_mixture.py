@@ -13,7 +13,7 @@ from batches import data_identity, data_order, fast_reader
 from config import config_class, load_config
 from errors import ConfigError
 from mixture import Concatenation, MixtureSampler, apportion, build_data, spread
-from sources import Source
+from sources import Source, describe, parse_dataset
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 
@@ -208,3 +208,151 @@ def test_each_source_is_built_with_its_own_split_configuration_and_text_column()
         "owner/books": ("en", "validation", "body"),
         "owner/web": ("", "train", "text"),
     }
+
+
+def test_apportion_gives_the_spare_samples_to_the_largest_remainders():
+    """Largest remainder, computed by hand: 0.7/0.3 of 3 is 2.1/0.9, so the spare sample goes to the second
+    source (2, 1), not to the larger share (3, 0); equal remainders go to the first sources."""
+    assert apportion([0.7, 0.3], 3) == [2, 1]
+    assert apportion([0.2, 0.5, 0.3], 7) == [1, 4, 2]  # 1.4, 3.5, 2.1: the spare to 3.5
+    assert apportion([1, 1, 1], 100) == [34, 33, 33]
+    assert apportion([1, 1, 1, 1], 6) == [2, 2, 1, 1]
+
+
+def test_a_pass_is_at_least_one_global_batch():
+    """Sources smaller than a global batch together: one step per pass, not zero (nor two)."""
+    sampler = MixtureSampler([3, 2], [0.5, 0.5], seed=0, samples_per_step=8)
+    assert len(sampler) == len(list(sampler)) == 8
+    assert apportion([0.5, 0.5], 8) == sampler.quotas == [4, 4]
+
+
+def test_the_order_of_a_seed_is_pinned():
+    """A run's data order is a pure function of (seed, weights, sizes, position): a template change that moves
+    it (another seed derivation, another permutation) makes every checkpoint resume into a different stream
+    without a word. These values were recorded when the order was made; change them only with a note that
+    a resume across the change does not continue the same data."""
+    sampler = MixtureSampler([6, 4], [0.5, 0.5], seed=7, samples_per_step=4)
+    assert list(sampler) == [1, 9, 2, 7, 4, 8, 3, 6]
+    sampler.set_epoch(1)
+    assert list(sampler) == [5, 9, 0, 7, 3, 6, 2, 8]
+    assert sampler.permutation(0, 0).tolist() == [1, 2, 4, 3, 5, 0]
+    assert sampler.permutation(1, 3).tolist() == [1, 2, 0, 3]
+
+
+def test_concatenation_reads_one_sample_and_parts_without_a_batch_reader():
+    class OneAtATime(torch.utils.data.Dataset):  # no __getitems__: read a sample at a time
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, index):
+            return {"input_ids": torch.tensor([100 + index])}
+
+    joined = Concatenation(
+        {"a": [{"input_ids": torch.tensor([i])} for i in range(5)], "b": OneAtATime()}
+    )
+    assert int(joined[6]["input_ids"]) == 101 and int(joined[0]["input_ids"]) == 0
+    faster = joined.with_parts(lambda part: [part[i] for i in range(len(part))])
+    assert [int(faster[i]["input_ids"]) for i in range(8)] == [0, 1, 2, 3, 4, 100, 101, 102]
+
+
+def test_build_data_for_one_dataset_and_for_streamed_sources():
+    """One dataset: data.py's own pair, its evaluation set under the name ""; a streamed mixture: the document
+    streams by source name, for streaming.MixedStream."""
+    from mixture import Streams
+
+    seen = []
+
+    def build_datasets(source_cfg):
+        seen.append(source_cfg.dataset)
+        return f"train of {source_cfg.dataset}", f"eval of {source_cfg.dataset}"
+
+    single = RunConfig(dataset="data/one.jsonl")
+    assert build_data(single, build_datasets) == (
+        "train of data/one.jsonl",
+        {"": "eval of data/one.jsonl"},
+    )
+    streamed = RunConfig(
+        dataset=load_config(["--dataset", "a.jsonl:1,b.jsonl:3"]).dataset, streaming=True
+    )
+    train, evaluations = build_data(streamed, build_datasets)
+    assert isinstance(train, Streams)
+    assert train.parts == {"a": "train of a.jsonl", "b": "train of b.jsonl"}
+    assert evaluations == {"a": "eval of a.jsonl", "b": "eval of b.jsonl"}
+    assert seen == ["data/one.jsonl", "a.jsonl", "b.jsonl"]
+
+
+def test_each_default_of_a_listed_or_compact_source():
+    """A YAML entry's left-out keys: weight 1, the name from the file's or repo's name (with its
+    configuration), the rest "" (the run's own key), a null the same as left out; the compact form without a
+    weight is weight 1; a path with a colon keeps it (the weight is after the last one); leading spaces
+    before a flow list."""
+    listed = parse_dataset(
+        " [{path: data/web.jsonl}, {path: owner/books, config: en, split: null, text_column: 3}]"
+    )
+    assert listed == (
+        Source("data/web.jsonl", 1.0, "web", "", "", ""),
+        Source("owner/books", 1.0, "books_en", "en", "", "3"),
+    )
+    assert parse_dataset("a.jsonl,b/c.txt") == (
+        Source("a.jsonl", 1.0, "a"),
+        Source("b/c.txt", 1.0, "c"),
+    )
+    assert parse_dataset("/data/2024:12/a.jsonl:0.7,b.jsonl:0.3") == (
+        Source("/data/2024:12/a.jsonl", 0.7, "a"),
+        Source("b.jsonl", 0.3, "b"),
+    )
+    assert parse_dataset("") == "" and parse_dataset(None) == ""
+    assert parse_dataset("owner/name") == "owner/name"
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (
+            "[{path: a, weight: 1}, {path: b",
+            "dataset: invalid YAML list: while parsing a flow mapping",
+        ),
+        (5, "dataset must be a string or a list of sources (got 5)"),
+        (
+            [{"path": "a", "wieght": 1}, {"path": "b"}],
+            "dataset: entry 1 has unknown key 'wieght' (keys: path, weight, name, config, split, text_column)",
+        ),
+        (
+            [{"path": "a"}, "b"],
+            "dataset: entry 2 must be a mapping with a path (keys: path, weight, name, config, split, "
+            "text_column; got 'b')",
+        ),
+        (
+            [{"path": "a"}, {"path": "b", "split": True}],
+            "dataset: entry 2's split must be a string (got True)",
+        ),
+        (
+            [{"path": "a", "split": ["x"]}, {"path": "b"}],
+            "dataset: entry 1's split must be a string (got ['x'])",
+        ),
+        (
+            [{"path": "a", "weight": "x"}, {"path": "b"}],
+            "dataset: the weight of 'a' must be a number (got 'x')",
+        ),
+        (
+            "a.jsonl:1",
+            "dataset: a mixture needs two or more sources (for one, set dataset, dataset_config, "
+            "dataset_split and text_column)",
+        ),
+        ("a.jsonl:inf,b:1", "dataset: the weight of 'a.jsonl' must be >= 0 and finite (got inf)"),
+    ],
+)
+def test_each_bad_source_is_its_whole_line(raw, message):
+    """The whole line, every word: what a person reads to fix the value."""
+    with pytest.raises(ConfigError) as error:
+        parse_dataset(raw)
+    assert str(error.value) == message
+
+
+def test_describe_gives_each_source_its_share_and_what_it_overrides():
+    """The line a checkpoint keeps and a resume compares: shares, not raw weights."""
+    sources = parse_dataset(
+        "[{path: a.jsonl, weight: 3}, {path: owner/b, config: en, weight: 1},"
+        " {path: c, split: test, weight: 0}, {path: d, text_column: body, weight: 4}]"
+    )
+    assert describe(sources) == "a.jsonl:0.375,owner/b@en:0.125,c[test,-]:0,d[-,body]:0.5"
