@@ -379,3 +379,304 @@ def test_require_resume_refuses_a_run_folder_without_a_checkpoint_and_the_defaul
         f"resume: no intact checkpoint in {empty} yet, starting fresh (is the folder right? "
         "--require_resume true refuses instead)" in started.output
     )
+
+
+# ------------------------------------------------------------- every check, its whole line and its edge
+# Written out by hand, not read from config.py's tables: each refused value with the whole line a person
+# reads, and the value just inside the edge, accepted.
+
+REFUSED = [
+    # every key that must be > 0, at 0
+    *[
+        ([f"--{key}", "0"], f"{key} must be > 0 (got {shown})")
+        for key, shown in [
+            ("max_steps", "0"),
+            ("batch_size", "0"),
+            ("grad_accum_steps", "0"),
+            ("block_size", "0"),
+            ("log_every", "0"),
+            ("eval_every", "0"),
+            ("keep_last", "0"),
+            ("dist_timeout_s", "0"),
+            ("step_timeout_s", "0"),
+            ("bucket_cap_mb", "0"),
+            ("shuffle_buffer", "0"),
+            ("streaming_eval_blocks", "0"),
+            ("store_lease_s", "0"),
+            ("lr", "0.0"),
+            ("muon_lr", "0.0"),
+        ]
+    ],
+    # every key that must be >= 0, at -1
+    *[
+        ([f"--{key}", "-1"], f"{key} must be >= 0 (got {shown})")
+        for key, shown in [
+            ("weight_decay", "-1.0"),
+            ("max_grad_norm", "-1.0"),
+            ("save_every", "-1"),
+            ("num_workers", "-1"),
+            ("min_lr", "-1.0"),
+            ("lr_decay_steps", "-1"),
+            ("muon_weight_decay", "-1.0"),
+            ("eval_limit", "-1"),
+            ("upload_timeout_s", "-1"),
+            ("lora_r", "-1"),
+        ]
+    ],
+    (["--eval_fraction", "0"], "eval_fraction must be in (0, 1) (got 0.0)"),
+    (["--eval_fraction", "1"], "eval_fraction must be in (0, 1) (got 1.0)"),
+    (["--beta1", "1"], "beta1 must be in [0, 1) (got 1.0)"),
+    (["--beta2", "-0.1"], "beta2 must be in [0, 1) (got -0.1)"),
+    (["--muon_momentum", "1"], "muon_momentum must be in [0, 1) (got 1.0)"),
+    (["--lora_dropout", "1"], "lora_dropout must be in [0, 1) (got 1.0)"),
+    (["--fsdp", "zero3"], "fsdp must be one of no, full, hybrid (got 'zero3')"),
+    (
+        ["--model_weights", "random"],
+        "model_weights must be one of pretrained, config (got 'random')",
+    ),
+    (
+        ["--tracker", "wandb,mlflow"],
+        "tracker entries must be among none, wandb, tensorboard (got 'wandb,mlflow')",
+    ),
+    (["--min_lr", "0.01", "--lr", "0.001"], "min_lr must be <= lr (0.001) (got 0.01)"),
+    (
+        ["--warmup_steps", "-2"],
+        "warmup_steps must be -1 (auto) or in [0, max_steps (300)) (got -2)",
+    ),
+    (
+        ["--fsdp", "full", "--shared_filesystem", "false"],
+        "fsdp needs shared_filesystem true (every process writes its shards into one checkpoint folder) "
+        "(got 'full')",
+    ),
+    (
+        ["--streaming", "true", "--num_workers", "2"],
+        "num_workers must be 0 with streaming (the stream is read in the training process, where its "
+        "position is saved) (got 2)",
+    ),
+    (["--text_column", ""], "text_column must not be empty (got '')"),
+    (["--dataset_split", ""], "dataset_split must not be empty (got '')"),
+    (
+        ["--optimizer", "muon", "--fsdp", "hybrid"],
+        "optimizer muon cannot run under FSDP: Muon orthogonalizes each whole weight matrix, and FSDP2 "
+        "gives each process a shard of it (train with DDP, or with optimizer adamw)",
+    ),
+    (["--lora_r", "8", "--lora_alpha", "0"], "lora_alpha must be > 0 (got 0.0)"),
+    (["--merge_adapter", "true"], "merge_adapter needs lora_r > 0 (got True)"),
+    (["--straggler_factor", "1"], "straggler_factor must be > 1 (got 1.0)"),
+]
+
+
+@pytest.mark.parametrize("argv, line", REFUSED, ids=[" ".join(argv) for argv, _ in REFUSED])
+def test_every_check_refuses_with_its_whole_line(argv, line):
+    with pytest.raises(ConfigError) as error:
+        load_config(argv)
+    assert str(error.value) == line
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--min_lr", "0.001", "--lr", "0.001"],  # min_lr may equal lr
+        ["--warmup_steps", "-1"],
+        ["--warmup_steps", "0"],
+        ["--warmup_steps", "299"],
+        ["--eval_fraction", "0.999"],
+        ["--beta1", "0", "--beta2", "0.9999", "--muon_momentum", "0", "--lora_dropout", "0"],
+        ["--fsdp", "full"],  # shared_filesystem is true by default
+        ["--lora_r", "0", "--lora_alpha", "0"],  # lora_alpha matters only with adapters
+        ["--lora_r", "1", "--merge_adapter", "true"],
+        ["--straggler_factor", "1.01"],
+        ["--tracker", "none"],
+        ["--tracker", "wandb,tensorboard"],
+        ["--streaming", "true", "--num_workers", "0"],
+        ["--weight_decay", "0", "--save_every", "0", "--upload_timeout_s", "0", "--min_lr", "0"],
+    ],
+)
+def test_the_value_at_each_edge_is_accepted(argv):
+    load_config(argv)
+
+
+def test_ddp_options_are_the_keys_set_away_from_ddps_defaults():
+    assert load_config([]).ddp_options() == {}
+    argv = ["--static_graph", "true", "--bucket_cap_mb", "50", "--broadcast_buffers", "false"]
+    assert load_config(argv).ddp_options() == {
+        "static_graph": True,
+        "bucket_cap_mb": 50,
+        "broadcast_buffers": False,
+    }
+    argv = ["--find_unused_parameters", "true", "--gradient_as_bucket_view", "true"]
+    assert load_config(argv).ddp_options() == {
+        "find_unused_parameters": True,
+        "gradient_as_bucket_view": True,
+    }
+
+
+def test_trackers_global_batch_and_the_warmup_horizon():
+    assert load_config(["--tracker", "wandb,none,tensorboard"]).trackers() == [
+        "wandb",
+        "tensorboard",
+    ]
+    assert load_config(["--tracker", "none"]).trackers() == []
+    assert load_config(["--batch_size", "3", "--grad_accum_steps", "2"]).global_batch(4) == 24
+    cfg = load_config(["--max_steps", "100", "--lr_decay_steps", "50"])
+    assert (cfg.decay_steps, cfg.warmup) == (50, 5)
+
+
+@pytest.mark.parametrize(
+    "raw, type_name, value",
+    [
+        ("yes", "bool", True),
+        ("Off", "bool", False),
+        (True, "bool", True),
+        (False, "bool", False),
+        ("-3", "int", -3),
+        (7, "int", 7),
+        ("1.5", "float", 1.5),
+        (2, "float", 2.0),
+        ("1.5", "str", "1.5"),
+        ("MixedCase", "str", "MixedCase"),
+        (True, "str", "true"),  # YAML's true, for a key of choices like compile
+        (None, "str", ""),
+        (3, "str", "3"),
+    ],
+)
+def test_coerce_turns_yaml_and_flag_values_into_the_keys_type(raw, type_name, value):
+    from config import coerce
+
+    coerced = coerce("key", raw, type_name)
+    assert coerced == value and type(coerced) is type(value)
+
+
+@pytest.mark.parametrize(
+    "raw, type_name, line",
+    [
+        ("maybe", "bool", "key must be a bool (got 'maybe')"),
+        (1.5, "int", "key must be an int (got 1.5)"),
+        (True, "int", "key must be an int (got True)"),
+        ("x", "float", "key must be a float (got 'x')"),
+        (True, "float", "key must be a float (got True)"),
+        ([1, 2], "str", "key must be a str (got [1, 2])"),
+    ],
+)
+def test_coerce_refuses_with_one_line(raw, type_name, line):
+    from config import coerce
+
+    with pytest.raises(ConfigError) as error:
+        coerce("key", raw, type_name)
+    assert str(error.value) == line
+
+
+def test_the_dataset_key_is_parsed_into_its_sources():
+    from config import coerce
+    from sources import Source
+
+    assert coerce("dataset", "a.jsonl:1,b.jsonl:3", "str") == (
+        Source("a.jsonl", 1.0, "a"),
+        Source("b.jsonl", 3.0, "b"),
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--lr"], "lr needs a value (--lr VALUE)"),
+        (
+            ["--lr", "--max_steps", "3"],
+            "lr needs a value (--lr VALUE; got the next flag --max_steps)",
+        ),
+        (["--zzqqxx", "1"], "unknown key 'zzqqxx'"),  # nothing close: no "did you mean"
+        (["--max_step", "1"], "unknown key 'max_step' (did you mean 'max_steps'?)"),
+    ],
+)
+def test_flag_errors_are_their_whole_line(argv, line):
+    with pytest.raises(ConfigError) as error:
+        load_config(argv)
+    assert str(error.value) == line
+
+
+def test_the_arguments_default_to_the_command_line_and_help_exits_0(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["train/main.py", "--lr", "0.5", "--min_lr", "0"])
+    assert load_config().lr == 0.5
+    for flag in ("-h", "--help"):
+        with pytest.raises(SystemExit) as stop:
+            load_config([flag])
+        assert stop.value.code == 0
+        assert capsys.readouterr().out.startswith("usage: train/main.py [--config FILE.yaml]")
+
+
+def test_bad_yaml_files_are_their_whole_line(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("lr: 0.1\nbatch_size: [1, 2\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(broken)])
+    assert (
+        str(error.value)
+        == f"config: {broken}:3: invalid YAML: expected ',' or ']', but got '<stream end>'"
+    )
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"lr: 0.1\x00\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(binary)])
+    assert str(error.value).startswith(
+        f"config: {binary}: invalid YAML: unacceptable character #x0000"
+    )
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- lr\n- 0.1\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(["--config", str(listing)])
+    assert str(error.value) == f"config: {listing} must hold a mapping of key: value, not list"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing set yet\n")
+    assert load_config(["--config", str(empty)]) == load_config([])
+
+
+def test_saved_config_reads_what_a_run_wrote_and_leaves_out_unknown_keys(tmp_path):
+    from config import saved_config
+    from sources import Source
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text("lr: 0.01\ndataset: a.jsonl:1,b.jsonl:3\na_key_of_a_later_version: 5\n")
+    cfg = saved_config(saved)
+    assert cfg.lr == 0.01 and cfg.max_steps == 300
+    assert cfg.dataset == (Source("a.jsonl", 1.0, "a"), Source("b.jsonl", 3.0, "b"))
+    assert not hasattr(cfg, "a_key_of_a_later_version")
+    saved.write_text("dataset: owner/name\n")
+    assert saved_config(saved).dataset == "owner/name"
+
+
+def test_usage_names_the_script_and_shows_each_keys_line(monkeypatch):
+    """The program's name as the user ran it (relative), or train/main.py when run otherwise; each key's
+    line: name, type, default, its whole comment (lines joined by one space); a fork's keys under their
+    file's heading after a blank line, a key without a comment shown without one."""
+    import dataclasses
+
+    import config
+
+    monkeypatch.setattr(sys, "argv", [str(REPO / "scripts" / "x.py")])
+    monkeypatch.chdir(REPO)
+    lines = config.usage().split("\n")
+    assert lines[0] == "usage: scripts/x.py [--config FILE.yaml] [--key value ...]"
+    assert lines[1] == ""
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/accelerate"])
+    assert config.usage().startswith("usage: train/main.py [--config FILE.yaml]")
+    timeout = next(line for line in lines if line.startswith("  --upload_timeout_s"))
+    assert timeout.split(maxsplit=4)[1:] == [
+        "int",
+        "default",
+        "0",
+        "a run on object storage: the deadline of each checkpoint's upload, and of any other exchange "
+        "with the store; past it the run says so in one line and exits 1. 0 = derived: 120 s, plus 1 s "
+        "per 20 MB of the files (a store slower than that is not answering) (train/storage.py)",
+    ]
+
+    @dataclasses.dataclass
+    class ModelConfig:
+        width: int = 8
+
+    monkeypatch.setattr(config, "fork_settings", lambda: {"model": ModelConfig})
+    lines = config.usage().split("\n")
+    heading = lines.index("  train/model.py's ModelConfig:")
+    assert (
+        lines[heading - 1] == ""
+        and lines[heading + 1].rstrip() == "  --width             int   default 8"
+    )
