@@ -33,7 +33,12 @@ MODULES = {
     "sources": ["tests/test_mixture.py", "tests/test_config.py"],
     "mixture": ["tests/test_mixture.py"],
     "batches": ["tests/test_batches.py", "tests/test_mixture.py"],
-    "task": ["tests/test_task.py", "tests/test_lm.py"],
+    "task": [
+        "tests/test_task.py",
+        "tests/test_lm.py",
+        "tests/test_adapters.py",
+        "tests/test_data.py",
+    ],
     "buffers": ["tests/test_sharding.py", "tests/test_task.py"],
     "optim": ["tests/test_schedule.py"],
     "resume": ["tests/test_checkpoint.py", "tests/test_sharding.py"],
@@ -114,9 +119,20 @@ def run_module(module: str, tests: list[str]) -> dict:
             survivors[name] = {"status": status, "diff": diff}
     shutil.rmtree(folder, ignore_errors=True)
     counts = {}
-    for status in statuses.values():
+    by_function = {}  # where the timeouts and survivors sit
+    for name, status in statuses.items():
         counts[status] = counts.get(status, 0) + 1
-    return {"counts": counts, "survivors": survivors, "minutes": (time.monotonic() - began) / 60}
+        function = (
+            name.split("__mutmut_")[0].rsplit(".", 1)[-1].removeprefix("x_").replace("ǁ", ".")
+        )
+        seen = by_function.setdefault(function.strip("."), {})
+        seen[status] = seen.get(status, 0) + 1
+    return {
+        "counts": counts,
+        "by_function": by_function,
+        "survivors": survivors,
+        "minutes": (time.monotonic() - began) / 60,
+    }
 
 
 def killed_share(counts: dict) -> float:

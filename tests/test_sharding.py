@@ -353,3 +353,82 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict):
     transaction = saving.Transaction(plumbing, cfg, parts, step, identity)
     transaction.run()
     return transaction.final
+
+
+# ---------------------------------------------------------------- a model's buffers across ranks (buffers.py)
+
+
+class Wrapped(torch.nn.Module):
+    """What DDP's wrapper says of itself: whether it copies rank 0's buffers to every rank."""
+
+    def __init__(self, module, broadcast_buffers):
+        super().__init__()
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+
+
+def batchnorm_of_rank(rank: int) -> torch.nn.Module:
+    """Running statistics that tell the ranks apart: mean rank + 1, variance 4 (rank + 1), 10 (rank + 1)
+    batches tracked; a non-persistent buffer (a cache a model recomputes) beside them."""
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(3))
+    model[0].running_mean.fill_(rank + 1.0)
+    model[0].running_var.fill_(4.0 * (rank + 1))
+    model[0].num_batches_tracked.fill_(10 * (rank + 1))
+    model.register_buffer("cache", torch.full((2,), 7.0), persistent=False)
+    return model
+
+
+def buffers_on_two_ranks(rank: int, port: int) -> None:
+    import buffers
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = batchnorm_of_rank(rank)
+        found = buffers.persistent_buffers(model)
+        assert sorted(found) == ["0.num_batches_tracked", "0.running_mean", "0.running_var"]
+        # each rank keeps its own (broadcast_buffers false, or FSDP: no attribute): inside, their mean;
+        # the count, which is no statistic, rank 0's
+        with buffers.shared_buffers(model, 2):
+            assert model[0].running_mean.tolist() == [1.5] * 3
+            assert model[0].running_var.tolist() == [6.0] * 3
+            assert int(model[0].num_batches_tracked) == 10
+        assert model[0].running_mean.tolist() == [rank + 1.0] * 3  # each rank's own again
+        assert model[0].running_var.tolist() == [4.0 * (rank + 1)] * 3
+        assert int(model[0].num_batches_tracked) == 10 * (rank + 1)
+        # DDP's broadcast: rank 0's, everywhere
+        with buffers.shared_buffers(Wrapped(model, broadcast_buffers=True), 2):
+            assert model[0].running_mean.tolist() == [1.0] * 3
+            assert model[0].running_var.tolist() == [4.0] * 3
+        assert model[0].running_mean.tolist() == [rank + 1.0] * 3
+        assert model.cache.tolist() == [7.0, 7.0]  # never exchanged
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shared_buffers_are_the_ranks_mean_or_rank_0s_and_each_ranks_own_after():
+    """Two gloo processes with different running statistics, against the numbers worked by hand; and one
+    process, which exchanges nothing and needs no process group."""
+    import buffers
+
+    model = batchnorm_of_rank(0)
+    with buffers.shared_buffers(model, 1):
+        assert model[0].running_mean.tolist() == [1.0] * 3
+    torch.multiprocessing.spawn(buffers_on_two_ranks, args=(free_port(),), nprocs=2)
+
+
+def test_which_ranks_keep_their_own_buffers_and_a_ranks_buffers_round_trip():
+    import buffers
+
+    model = batchnorm_of_rank(0)
+    assert not buffers.ranks_keep_their_own(model, 1)  # one process
+    assert not buffers.ranks_keep_their_own(torch.nn.Linear(2, 2), 2)  # no buffers
+    assert not buffers.ranks_keep_their_own(Wrapped(model, broadcast_buffers=True), 2)
+    assert buffers.ranks_keep_their_own(Wrapped(model, broadcast_buffers=False), 2)
+    assert buffers.ranks_keep_their_own(model, 2)  # FSDP: no broadcast at all
+    saved = {
+        name: tensor.clone() for name, tensor in buffers.RankBuffers(model).state_dict().items()
+    }
+    other = batchnorm_of_rank(1)
+    buffers.RankBuffers(other).load_state_dict(saved)
+    assert other[0].running_mean.tolist() == [1.0] * 3 and int(other[0].num_batches_tracked) == 10
+    assert other[0].running_var.tolist() == [4.0] * 3

@@ -179,3 +179,93 @@ def test_sync_batchnorm_converts_every_batchnorm_and_refuses_a_model_without_one
     }
     with pytest.raises(ConfigError, match=r"^sync_batchnorm is on and the model has no BatchNorm"):
         sync_batchnorm(torch.nn.Linear(2, 2))
+
+
+def plumbing_of(num_processes, other_ranks_items=0):
+    """A stand-in for the plumbing's reduce: this rank's sum plus what the other ranks hold."""
+    return SimpleNamespace(
+        device=torch.device("cpu"),
+        num_processes=num_processes,
+        reduce=lambda tensor, op: tensor + other_ranks_items,
+    )
+
+
+def test_loss_weights_make_the_step_a_mean_over_every_counted_item(monkeypatch):
+    """Worked by hand: this rank's micro-batches count 3 and 5 tokens, the other rank's 8 in all; the step's
+    mean over 16 tokens weighs a micro-batch's mean by its tokens x 2 ranks x 2 micro-batches / 16 (the
+    backward divides by 2 micro-batches, DDP by 2 ranks): 0.75 and 1.25. Equal counts: exactly 1.0 each."""
+    monkeypatch.setattr(task, "loss_counter", lambda: lambda batch: batch["counted"])
+    batches = [{"counted": torch.tensor(3)}, {"counted": torch.tensor(5)}]
+    weights = task.loss_weights(batches, plumbing_of(2, other_ranks_items=8))
+    assert weights.dtype == torch.float64 and weights.tolist() == [0.75, 1.25]
+    equal = [{"counted": torch.tensor(4)}, {"counted": torch.tensor(4)}]
+    assert task.loss_weights(equal, plumbing_of(2, other_ranks_items=8)).tolist() == [1.0, 1.0]
+    one_rank = [{"counted": 1}, {"counted": 2}, {"counted": 3}]  # plain ints, one process
+    assert task.loss_weights(one_rank, plumbing_of(1)).tolist() == [0.5, 1.0, 1.5]
+    nothing_counted = [{"counted": 0}, {"counted": 0}]  # every label masked: no division by 0
+    assert task.loss_weights(nothing_counted, plumbing_of(1)).tolist() == [0.0, 0.0]
+    monkeypatch.setattr(task, "loss_counter", lambda: None)  # a task without loss_items
+    assert task.loss_weights(batches, plumbing_of(2, 8)).tolist() == [1.0, 1.0]
+
+
+def test_the_fork_files_optional_names_are_used_where_defined(monkeypatch):
+    """tokens_per_sample, identity and loss_items are optional: the fork's when it defines them, None
+    when not; the required ones are passed straight through."""
+    fork_model = types.ModuleType("model")
+    fork_data = types.ModuleType("data")
+    monkeypatch.setitem(sys.modules, "model", fork_model)
+    monkeypatch.setitem(sys.modules, "data", fork_data)
+    cfg = RunConfig(block_size=24)
+    assert task.tokens_per_sample(cfg) is None
+    assert task.data_identity("a dataset") is None
+    assert task.loss_counter() is None
+    fork_model.tokens_per_sample = lambda cfg: cfg.block_size * 2
+    fork_data.identity = lambda dataset: f"digest of {dataset}"
+    fork_model.loss_items = len
+    assert task.tokens_per_sample(cfg) == 48
+    assert task.data_identity("a dataset") == "digest of a dataset"
+    assert task.loss_counter() is len
+    fork_model.build_model = lambda cfg: ("model for", cfg.block_size)
+    fork_data.build_datasets = lambda cfg: ("datasets for", cfg.block_size)
+    fork_data.collate = lambda samples: ("batch of", samples)
+    fork_data.packer = lambda cfg: ("packer for", cfg.block_size)
+    assert task.build_model(cfg) == ("model for", 24)
+    assert task.build_datasets(cfg) == ("datasets for", 24)
+    assert task.collate([1, 2]) == ("batch of", [1, 2])
+    assert task.packer(cfg) == ("packer for", 24)
+
+
+def test_the_shipped_lm_counts_a_block_per_sample():
+    assert task.tokens_per_sample(RunConfig(block_size=64)) == 64
+
+
+def complete_fork(monkeypatch):
+    fork_model = types.ModuleType("model")
+    fork_model.build_model = lambda cfg: None
+    fork_model.eval_columns = lambda output, batch: {}
+    fork_model.eval_metrics = lambda sums, cfg: {}
+    fork_data = types.ModuleType("data")
+    fork_data.build_datasets = lambda cfg: None
+    fork_data.collate = lambda samples: None
+    monkeypatch.setitem(sys.modules, "model", fork_model)
+    monkeypatch.setitem(sys.modules, "data", fork_data)
+    return fork_model, fork_data
+
+
+def test_streaming_needs_a_packer_and_an_old_signature_is_named(monkeypatch):
+    fork_model, fork_data = complete_fork(monkeypatch)
+    task.check_fork_files(RunConfig())  # complete for a map-style dataset
+    with pytest.raises(ConfigError) as error:
+        task.check_fork_files(RunConfig(streaming=True))
+    assert str(error.value) == (
+        "train/data.py defines no packer(cfg), which packs streamed documents (--streaming) "
+        '(README "Make it yours"; examples/ has one for each task)'
+    )
+    fork_data.packer = lambda cfg: None
+    task.check_fork_files(RunConfig(streaming=True))
+    fork_model.eval_metrics = lambda sums: {}  # an older fork's signature
+    with pytest.raises(ConfigError, match=r"^train/model.py defines no eval_metrics\(sums, cfg\)"):
+        task.check_fork_files(RunConfig())
+    fork_model.eval_metrics = "not a function"
+    with pytest.raises(ConfigError, match=r"^train/model.py defines no eval_metrics\(sums, cfg\)"):
+        task.check_fork_files(RunConfig())
