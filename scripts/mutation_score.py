@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -77,6 +78,9 @@ def scratch_copy(module: str, tests: list[str]) -> Path:
         f"only_mutate = {module}.py\n"
         f"pytest_add_cli_args_test_selection =\n    {selection}\n"
         "pytest_add_cli_args =\n    -m\n    not slow\n    -p\n    no:cacheprovider\n"
+        # workers forked from a process that imported torch inherit its OpenMP threads' state and
+        # spin until the CPU limit: a false "timeout"; a fork server that imported nothing is clean
+        "process_isolation = forkserver\n"
     )
     return folder
 
@@ -85,7 +89,11 @@ def run_module(module: str, tests: list[str]) -> dict:
     folder = scratch_copy(module, tests)
     began = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "mutmut", "run"], cwd=folder, capture_output=True, text=True
+        [sys.executable, "-m", "mutmut", "run"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # mutmut runs a worker per core
     )
     results = subprocess.run(
         [sys.executable, "-m", "mutmut", "results", "--all", "true"],

@@ -432,3 +432,12 @@ def test_which_ranks_keep_their_own_buffers_and_a_ranks_buffers_round_trip():
     buffers.RankBuffers(other).load_state_dict(saved)
     assert other[0].running_mean.tolist() == [1.0] * 3 and int(other[0].num_batches_tracked) == 10
     assert other[0].running_var.tolist() == [4.0] * 3
+    # a persistent buffer of the model itself, a non-persistent one inside a layer: named as state_dict does
+    model.register_buffer("scale", torch.ones(1))
+    model[0].register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert list(buffers.persistent_buffers(model)) == [
+        "scale",
+        "0.running_mean",
+        "0.running_var",
+        "0.num_batches_tracked",
+    ]
