@@ -130,10 +130,10 @@ def run_module(module: str, tests: list[str]) -> dict:
     by_function = {}  # where the timeouts and survivors sit
     for name, status in statuses.items():
         counts[status] = counts.get(status, 0) + 1
-        function = (
-            name.split("__mutmut_")[0].rsplit(".", 1)[-1].removeprefix("x_").replace("ǁ", ".")
-        )
-        seen = by_function.setdefault(function.strip("."), {})
+        # module.x_function__mutmut_N, module.x\u01c1Class\u01c1method__mutmut_N
+        mangled = name.split("__mutmut_")[0].split(".", 1)[1]
+        function = mangled.removeprefix("x_").removeprefix("x\u01c1").replace("\u01c1", ".")
+        seen = by_function.setdefault(function, {})
         seen[status] = seen.get(status, 0) + 1
     return {
         "counts": counts,

@@ -510,3 +510,157 @@ def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict):
     transaction = saving.Transaction(plumbing, cfg, parts, step, identity)
     transaction.run()
     return transaction.final
+
+
+# ---------------------------------------------------------------- resume's checks, each line whole
+
+
+def run_checked(tmp_path, saved_run: dict, step: int = 5, identity=IDENTITY, **cfg):
+    """resuming.check_same_run against a manifest's `run` of this geometry and these keys."""
+    geometry = {"global_batch": 16, "block_size": 8}
+    about = {"run": {**geometry, **IDENTITY, **saved_run}, "step": step}
+    resuming.check_same_run(tmp_path, about, geometry, RunConfig(**cfg), identity)
+
+
+def refusal(call) -> str:
+    with pytest.raises(CheckpointError) as error:
+        call()
+    return str(error.value)
+
+
+def test_check_same_run_refuses_another_optimizer_or_adapter_rank_in_its_whole_line(tmp_path):
+    run_checked(
+        tmp_path, {}
+    )  # a checkpoint from before --optimizer and --lora_r: adamw, every weight
+    assert refusal(lambda: run_checked(tmp_path, {}, optimizer="muon")) == (
+        f"{tmp_path} was saved with optimizer adamw, this run uses muon: its state would not fit; to "
+        f"switch, start a new run from its weights with --init_from {tmp_path}"
+    )
+    assert refusal(lambda: run_checked(tmp_path, {}, lora_r=4)) == (
+        f"{tmp_path} was saved training every weight (lora_r 0), and this run trains LoRA adapters of "
+        "rank 4 (lora_r 4): its model and optimizer parts would not fit; resume with lora_r 0, or start "
+        "a new run from its weights with --init_from"
+    )
+    assert refusal(lambda: run_checked(tmp_path, {"lora_r": 8}, lora_r=4)).startswith(
+        f"{tmp_path} was saved training LoRA adapters of rank 8 (lora_r 8), and this run trains LoRA "
+        "adapters of rank 4 (lora_r 4)"
+    )
+    run_checked(tmp_path, {"lora_r": 8, "optimizer": "muon"}, lora_r=8, optimizer="muon")
+
+
+def test_a_checkpoint_at_max_steps_resumes_and_one_past_it_is_refused(tmp_path):
+    run_checked(tmp_path, {}, step=20, max_steps=20)
+    assert refusal(lambda: run_checked(tmp_path, {}, step=21, max_steps=20)) == (
+        f"{tmp_path} is at step 21, past max_steps 20: pass --max_steps 21 or more to resume it"
+    )
+
+
+def test_other_data_names_every_changed_key_and_an_unknown_value_is_no_change(tmp_path):
+    other = {**IDENTITY, "seed": 7, "train_blocks": 99, "data_digest": None}
+    assert refusal(lambda: run_checked(tmp_path, {}, identity=other)) == (
+        f"{tmp_path} was saved for other data (seed 1337 -> 7, train_blocks 100 -> 99): resuming would "
+        f"continue a different data order; to change them on purpose, start a new run with --init_from "
+        f"{tmp_path}"
+    )
+
+
+def test_checkpoint_to_resume_returns_the_named_checkpoint_or_says_why_not(tmp_path):
+    job = Job(tmp_path)
+    path = job.save(3)
+    named = replace(job.cfg, resume=str(path))
+    assert resuming.checkpoint_to_resume(named, RunFolder(job.cfg.output_dir), print) == path
+    assert resuming.checkpoint_to_resume(replace(job.cfg, resume=""), None, print) is None
+    (path / "manifest.json").unlink()
+    assert refusal(lambda: resuming.checkpoint_to_resume(named, None, print)) == (
+        f"cannot resume from {path}: {checkpoint.checkpoint_problem(path)}"
+    )
+
+
+def test_init_weights_takes_a_run_folders_export_else_its_newest_checkpoints(tmp_path):
+    job = Job(tmp_path)
+    older = job.save(2)
+    newest = job.save(4)
+    run = job.cfg.output_dir
+    assert resuming.init_weights(build_model(job.cfg), run) == newest / "model.safetensors"
+    assert resuming.init_weights(build_model(job.cfg), str(older)) == older / "model.safetensors"
+    export = RunFolder(run).path("export")
+    export.parent.mkdir(parents=True, exist_ok=True)
+    export.write_bytes((older / "model.safetensors").read_bytes())
+    assert resuming.init_weights(build_model(job.cfg), run) == export
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert refusal(lambda: resuming.init_weights(build_model(job.cfg), str(empty))) == (
+        f"init_from: {empty / 'model.safetensors'} does not exist"
+    )
+
+
+class StepsOnTwoRanks:
+    """A plumbing whose reduce averages this rank's values with another rank's, as an all-reduce mean
+    does (in float64: an integer mean would truncate)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, other_step):
+        self.other = torch.tensor([other_step, other_step**2], dtype=torch.float64)
+
+    def reduce(self, values, op):
+        assert op == "mean" and values.dtype == torch.float64
+        return (values + self.other) / 2
+
+
+def test_every_process_must_resume_from_the_same_step():
+    resuming.check_same_step_everywhere(StepsOnTwoRanks(12), 12)
+    assert refusal(lambda: resuming.check_same_step_everywhere(StepsOnTwoRanks(12), 10)) == (
+        "processes resumed from different steps (this one: 10); a node is missing its newest checkpoint: "
+        "pass --resume with the same checkpoint folder on every node"
+    )
+
+
+def test_training_diverged_says_what_went_wrong_and_where_to_resume(tmp_path):
+    cfg = RunConfig(output_dir=str(tmp_path / "run"))
+    assert str(resuming.TrainingDiverged(7, float("nan"), cfg)) == (
+        "loss is nan at step 7: training diverged; no checkpoint was saved; start again with a lower lr "
+        "or more warmup_steps"
+    )
+    job = Job(tmp_path)
+    newest = job.save(4)
+    assert str(resuming.TrainingDiverged(9, 2.5, job.cfg)) == (
+        f"the gradient norm was not finite at step 9: training diverged; resume from {newest} with a "
+        "lower lr or more warmup_steps"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (
+            {"resume": "/no/such/folder"},
+            "resume must be '', 'latest' or an existing folder (got '/no/such/folder')",
+        ),
+        ({"require_resume": True}, "require_resume needs --resume latest (got resume '')"),
+        (
+            {"require_resume": True, "resume": "latest", "output_dir": "/no/such/run"},
+            "output_dir '/no/such/run' does not exist, and require_resume refuses to start a new run there "
+            "(mistyped?)",
+        ),
+        (
+            {"init_from": "/no/such/model.safetensors"},
+            "init_from is not an existing checkpoint, run folder or .safetensors file (got "
+            "'/no/such/model.safetensors')",
+        ),
+    ],
+)
+def test_check_sources_refuses_in_its_whole_line(flags, line):
+    with pytest.raises(ConfigError) as error:
+        resuming.check_sources(RunConfig(**flags))
+    assert str(error.value) == line
+
+
+def test_check_sources_accepts_what_exists(tmp_path):
+    resuming.check_sources(
+        RunConfig(resume="latest", require_resume=True, output_dir=str(tmp_path))
+    )
+    resuming.check_sources(
+        RunConfig(resume="latest", require_resume=True, output_dir="s3://bucket/run")
+    )
+    resuming.check_sources(RunConfig(resume=str(tmp_path), init_from=str(tmp_path)))
