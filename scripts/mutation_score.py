@@ -49,6 +49,20 @@ MODULES = {
 }
 REPORT = REPO / "docs" / "mutation-score.md"
 RESULTS = REPO / "docs" / "mutation-score.json"  # the measured counts and survivors, per module
+# run in the scratch folder: the diff of each mutant named on stdin, as JSON
+SHOW_DIFFS = """
+import json, sys
+from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+names = sys.stdin.read().split()
+paths = {}
+diffs = {}
+for name in names:
+    module = name.split(".")[0]
+    if module not in paths:
+        paths[module] = find_mutant(name).path
+    diffs[name] = get_diff_for_mutant(name, path=paths[module])
+print(json.dumps(diffs))
+"""
 STATUS = re.compile(r"^\s*(\S+__mutmut_\d+): (.+)$")
 
 
@@ -110,21 +124,25 @@ def run_module(module: str, tests: list[str]) -> dict:
         raise SystemExit(
             f"{module}: mutmut gave no results:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
         )
+    unkilled = [name for name, status in statuses.items() if status in ("survived", "no tests")]
+    # every diff from one process (`mutmut show` per mutant re-reads the whole state each time)
+    shown = subprocess.run(
+        [sys.executable, "-c", SHOW_DIFFS],
+        cwd=folder,
+        input="\n".join(unkilled),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    diffs = json.loads(shown.stdout)
     survivors = {}
-    for name, status in statuses.items():
-        if status in ("survived", "no tests"):
-            shown = subprocess.run(
-                [sys.executable, "-m", "mutmut", "show", name],
-                cwd=folder,
-                capture_output=True,
-                text=True,
-            )
-            diff = [
-                line
-                for line in shown.stdout.splitlines()
-                if line[:1] in "+-" and not line.startswith(("+++", "---"))
-            ]
-            survivors[name] = {"status": status, "diff": diff}
+    for name in unkilled:
+        diff = [
+            line
+            for line in diffs[name].splitlines()
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))
+        ]
+        survivors[name] = {"status": statuses[name], "diff": diff}
     shutil.rmtree(folder, ignore_errors=True)
     counts = {}
     by_function = {}  # where the timeouts and survivors sit
