@@ -15,7 +15,7 @@ import torch
 import storage
 from checkpoint import MANIFEST
 from config import config_class
-from errors import ConfigError, RunError
+from errors import CheckpointError, ConfigError, RunError
 from run_folder import RunFolder
 from saving import Checkpointer
 from test_checkpoint import Job, Log, same_tensors
@@ -199,3 +199,247 @@ def test_after_the_store_failed_nothing_more_is_tried_and_the_same_line_comes_at
     with pytest.raises(storage.StoreError, match="did not answer within 1 s"):
         bucket.bounded("something else", stalls)
     assert calls == [1]
+
+
+# ---------------------------------------------------------------- each failure's words, and what it says was lost
+
+
+def error_named(name: str, text: str = "", base=Exception):
+    """An exception of a class called `name`, as botocore, aiohttp and s3fs name theirs."""
+    return type(name, (base,), {})(text)
+
+
+def chained(outer: BaseException, inner: BaseException, how: str = "__cause__") -> BaseException:
+    setattr(outer, how, inner)
+    return outer
+
+
+@pytest.mark.parametrize(
+    "error, words",
+    [
+        (error_named("NoSuchBucket"), "the bucket no longer exists (deleted?)"),
+        (OSError("The specified bucket does not exist"), "the bucket no longer exists (deleted?)"),
+        (
+            error_named("InvalidAccessKeyId"),
+            "it refused these credentials (expired, rotated or revoked?)",
+        ),
+        (
+            OSError("ExpiredToken: the token expired"),
+            "it refused these credentials (expired, rotated or revoked?)",
+        ),
+        (
+            PermissionError("Forbidden"),
+            "it refused these credentials (expired, rotated or revoked?)",
+        ),
+        (
+            error_named("EndpointConnectionError"),
+            "it refused the connection (the store is gone, or its address changed)",
+        ),
+        (
+            OSError("[Errno 111] ConnectionRefused"),
+            "it refused the connection (the store is gone, or its address changed)",
+        ),
+        (
+            error_named("ReadTimeoutError"),
+            "it accepted the connection but did not answer (stalled)",
+        ),
+        (error_named("ConnectTimeout"), "it accepted the connection but did not answer (stalled)"),
+        (
+            error_named("ServerDisconnectedError"),
+            "it closed the connection mid-request (the store is gone?)",
+        ),
+        (
+            error_named("IncompleteRead"),
+            "it closed the connection mid-request (the store is gone?)",
+        ),
+        (OSError("disk quota exceeded\nsecond line"), "disk quota exceeded"),
+        # the cause is found down the chain, by __cause__ or by __context__
+        (
+            chained(OSError("upload failed"), error_named("NoSuchBucket")),
+            "the bucket no longer exists (deleted?)",
+        ),
+        (
+            chained(RuntimeError("retry gave up"), error_named("ReadTimeoutError"), "__context__"),
+            "it accepted the connection but did not answer (stalled)",
+        ),
+    ],
+)
+def test_store_problem_says_what_the_stores_error_means(error, words):
+    assert storage.store_problem(error) == words
+
+
+def test_a_refused_conditional_put_is_told_from_other_failures():
+    for refused in (
+        FileExistsError("lease"),
+        OSError("An error occurred (PreconditionFailed) when calling the PutObject operation"),
+        OSError("ConditionalRequestConflict"),
+        OSError("HTTP 412"),
+        chained(OSError("put failed"), FileExistsError("lease")),
+        chained(OSError("put failed"), OSError("PreconditionFailed"), "__context__"),
+    ):
+        assert storage.failed_condition(refused), refused
+    for other in (OSError("connection refused"), chained(OSError("put failed"), ValueError("bad"))):
+        assert not storage.failed_condition(other), other
+
+
+def test_s3_requests_get_timeouts_and_retries_and_other_stores_their_defaults():
+    for url in ("s3://bucket/run", "s3a://bucket/run"):
+        assert storage.client_options(url) == {"config_kwargs": storage.S3_CLIENT_CONFIG}
+    for url in ("gs://bucket/run", "file:///tmp/run", "memory://run"):
+        assert storage.client_options(url) == {}
+    assert storage.package_for("s3://b/run") == "s3fs"
+    assert storage.package_for("gs://b/run") == "gcsfs"
+    assert storage.package_for("nosuch://b/run") == "fsspec"
+
+
+def test_the_start_up_check_gives_the_bucket_its_deadline(monkeypatch):
+    made = []
+
+    class Recorded:
+        def __init__(self, url, upload_timeout_s):
+            made.append((url, upload_timeout_s))
+
+        def reachability_problem(self):
+            return None
+
+    monkeypatch.setattr(storage, "Bucket", Recorded)
+    storage.check_output_dir("s3://bucket/run", 45)
+    storage.check_output_dir("s3://bucket/other")
+    assert made == [("s3://bucket/run", 45), ("s3://bucket/other", 0)]
+
+
+REFUSED = "it refused the connection (the store is gone, or its address changed)"
+
+
+class Refusing:
+    """A filesystem whose every call is refused, as a store that went away refuses them."""
+
+    protocol = ("file",)
+
+    def __getattr__(self, name):
+        def refused(*args, **kwargs):
+            raise ConnectionRefusedError(111, "Connection refused")
+
+        return refused
+
+
+def refused_line(tmp_path, monkeypatch, call) -> str:
+    monkeypatch.setattr(storage, "_failures", [])
+    bucket = storage.Bucket(f"file://{tmp_path}/bucket/run")
+    bucket.fs = Refusing()
+    with pytest.raises(storage.StoreError) as error:
+        call(bucket)
+    return str(error.value)
+
+
+def test_each_exchange_names_what_was_not_done(tmp_path, monkeypatch):
+    url = f"file://{tmp_path}/bucket/run"
+    prefix = f"object storage {url} failed: {REFUSED}; "
+    intact = (
+        "; the checkpoints committed before it are intact: --resume latest once the store answers"
+    )
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "model.safetensors").write_bytes(b"weights")
+    expected = {
+        lambda bucket: bucket.clear_step(4): f"the checkpoint of step 4 was not saved{intact}",
+        lambda bucket: bucket.upload(
+            staged, 4, 0
+        ): f"the checkpoint of step 4 was not uploaded{intact}",
+        lambda bucket: bucket.commit(
+            4, 1, [], {}
+        ): f"the checkpoint of step 4 was not committed{intact}",
+        lambda bucket: bucket.committed(): "its checkpoints could not be listed",
+    }
+    for call, lost in expected.items():
+        assert refused_line(tmp_path, monkeypatch, call) == prefix + lost
+
+
+def test_a_prune_or_a_download_that_fails_says_what_is_safe(tmp_path, monkeypatch):
+    job = bucket_job(tmp_path, "staging")
+    job.save(2)
+    monkeypatch.setattr(storage, "_failures", [])
+    bucket = storage.Bucket(job.cfg.output_dir)
+    committed = bucket.committed()
+    monkeypatch.setattr(storage.Bucket, "committed", lambda self: committed)
+    prefix = f"object storage {job.cfg.output_dir} failed: {REFUSED}; "
+    bucket.fs = Refusing()
+    with pytest.raises(storage.StoreError) as error:
+        bucket.prune(keep_last=1, just_committed=2)
+    assert str(error.value) == (
+        prefix
+        + "the checkpoint of step 2 is committed, older ones were not pruned; --resume latest once "
+        "the store answers"
+    )
+    monkeypatch.setattr(storage, "_failures", [])
+    with pytest.raises(storage.StoreError) as error:
+        bucket.download_newest(tmp_path / "downloads", Log())
+    assert str(error.value) == prefix + "the checkpoint step_00000002 could not be downloaded"
+
+
+def test_a_commit_after_the_bucket_was_deleted_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_failures", [])
+    bucket = storage.Bucket(f"file://{tmp_path}/bucket/run")
+    monkeypatch.setattr(storage.Bucket, "bucket_exists", lambda self: False)
+    with pytest.raises(storage.StoreError) as error:
+        bucket.commit(4, 1, [], {"step": 4})  # rank 0's listing is not there
+    assert str(error.value) == (
+        f"object storage {bucket.url} failed: the bucket no longer exists (deleted?); the checkpoint of "
+        "step 4 was not committed; the checkpoints committed before it are intact: --resume latest once "
+        "the store answers"
+    )
+
+
+def test_a_commit_checks_every_listing_and_every_expected_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "_failures", [])
+    bucket = storage.Bucket(f"file://{tmp_path}/bucket/run")
+
+    def asked(self):
+        raise AssertionError("every listing arrived: the bucket need not be looked for")
+
+    monkeypatch.setattr(storage.Bucket, "bucket_exists", asked)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "model.safetensors").write_bytes(b"weights")
+    bucket.upload(staged, 4, 0)
+    with pytest.raises(CheckpointError) as error:
+        bucket.commit(4, 1, ["model.safetensors", "optimizer.pt", "rng_rank0.pt"], {"step": 4})
+    assert (
+        str(error.value)
+        == f"checkpoint of step 4 is missing optimizer.pt, rng_rank0.pt on {bucket.url}"
+    )
+    monkeypatch.setattr(storage.Bucket, "bucket_exists", lambda self: True)
+    with pytest.raises(CheckpointError) as error:
+        bucket.commit(4, 2, ["model.safetensors"], {"step": 4})
+    assert str(error.value) == (
+        f"checkpoint of step 4: {bucket.root}/checkpoints/step_00000004/uploaded/rank1.json never arrived "
+        "(a process's upload was lost)"
+    )
+
+
+def test_clear_step_removes_an_earlier_saves_files_and_manifest(tmp_path):
+    bucket = storage.Bucket(f"file://{tmp_path}/bucket/run")
+    folder = tmp_path / "bucket/run/checkpoints/step_00000004"
+    (folder / "sub").mkdir(parents=True)
+    (folder / MANIFEST).write_text("{}")
+    (folder / "sub" / "shard.bin").write_bytes(b"x")
+    bucket.clear_step(4)
+    assert not folder.exists()
+    bucket.clear_step(5)  # nothing there: nothing to do
+
+
+def test_a_download_empties_the_local_folder_and_logs_its_size_and_time(tmp_path):
+    job = bucket_job(tmp_path, "staging")
+    job.save(2)
+    bucket = storage.Bucket(job.cfg.output_dir)
+    downloads = tmp_path / "downloads"
+    (downloads / "step_00000001").mkdir(parents=True)  # a stale download of an older pod
+    log = Log()
+    local = bucket.download_newest(downloads, log)
+    assert local == downloads / "step_00000002" and sorted(downloads.iterdir()) == [local]
+    manifest = json.loads((local / MANIFEST).read_text())
+    size = sum(entry["bytes"] for entry in manifest["files"].values())
+    line = log.lines[0]
+    prefix = f"downloaded {job.cfg.output_dir}/checkpoints/step_00000002: {size / 1e6:.1f} MB in "
+    assert line.startswith(prefix) and line.endswith(" s")
+    assert 0 <= float(line.removeprefix(prefix).removesuffix(" s")) < 60
