@@ -664,3 +664,47 @@ def test_check_sources_accepts_what_exists(tmp_path):
         RunConfig(resume="latest", require_resume=True, output_dir="s3://bucket/run")
     )
     resuming.check_sources(RunConfig(resume=str(tmp_path), init_from=str(tmp_path)))
+
+
+class Position:
+    """A stream's position: each process its own, meaningless on another world size."""
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_resume_from_refuses_a_missing_part_and_a_position_bound_to_the_world_size(tmp_path):
+    job = Job(tmp_path, batch_size=4)
+    job.parts["stream"] = checkpoint.PerProcess(Position(7), bound_to_world_size=True)
+    path = job.save(3)
+    same = Job(tmp_path / "same", batch_size=4)
+    same.parts["stream"] = checkpoint.PerProcess(Position(), bound_to_world_size=True)
+    assert same.load(path) == "" and same.parts["stream"].state.value == 7
+    wider = Job(tmp_path / "wider", world_size=2, batch_size=2)
+    wider.parts["stream"] = checkpoint.PerProcess(Position(), bound_to_world_size=True)
+    assert refusal(lambda: wider.load(path)) == (
+        f"{path} was saved by 1 processes, each with its own stream position (a stream's): resume it "
+        "with 1 processes, or start a new run from its weights with --init_from"
+    )
+    more = Job(tmp_path / "more", batch_size=4)
+    more.parts["ema"] = checkpoint.Plain(Position())
+    more.parts["extra"] = checkpoint.Plain(Position())
+    parts = ", ".join(sorted(job.parts))  # the manifest lists them by name
+    assert refusal(lambda: more.load(path)) == (
+        f"{path} has no part ema, extra (it holds {parts}): start a new run with --init_from"
+    )
+
+
+def test_the_note_of_a_resume_on_another_world_size_names_what_changed(tmp_path):
+    path = Job(tmp_path, world_size=1, batch_size=8, grad_accum_steps=2).save(4)
+    note = Job(tmp_path / "two", world_size=2, batch_size=8, grad_accum_steps=1).load(path)
+    assert note == (
+        "; world_size 1 -> 2, grad_accum_steps 2 -> 1: the same global batch and samples in every step, a "
+        "fresh per-process random state"
+    )
