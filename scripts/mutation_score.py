@@ -44,7 +44,12 @@ MODULES = {
     "optim": ["tests/test_schedule.py"],
     "resume": ["tests/test_checkpoint.py", "tests/test_sharding.py"],
     "storage": ["tests/test_storage.py"],
-    "checkpoint": ["tests/test_checkpoint.py", "tests/test_saving.py", "tests/test_sharding.py"],
+    "checkpoint": [
+        "tests/test_checkpoint.py",
+        "tests/test_saving.py",
+        "tests/test_sharding.py",
+        "tests/test_adapters.py",
+    ],
     "profiling": ["tests/test_profiling.py"],
 }
 # where the issue names part of a module, only these functions are mutated (mutmut's names: x_f for a
