@@ -708,3 +708,123 @@ def test_the_note_of_a_resume_on_another_world_size_names_what_changed(tmp_path)
         "; world_size 1 -> 2, grad_accum_steps 2 -> 1: the same global batch and samples in every step, a "
         "fresh per-process random state"
     )
+
+
+# ---------------------------------------------------------------- the parts, their sizes and copies
+
+
+def test_tensor_bytes_counts_each_storage_once_through_any_container():
+    weights = torch.zeros(4)  # 16 bytes
+    view = weights[:2]  # the same storage
+    ids = torch.zeros(3, dtype=torch.int64)  # 24 bytes
+    state = {"a": weights, "b": [view, (ids, {"c": ids})], "step": 3}
+    assert checkpoint.tensor_bytes(state) == 16 + 24
+    assert checkpoint.tensor_bytes({}) == 0
+
+
+def test_each_parts_size_is_what_it_writes(tmp_path):
+    job = Job(tmp_path)
+    # the GPT's parameters, the tied embedding and head once (parameters() lists a shared one once)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in job.model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in job.model.buffers())
+    assert parameter_bytes <= job.parts["model"].nbytes(range(1)) <= parameter_bytes + buffer_bytes
+    assert job.parts["model"].nbytes(range(4)) == job.parts["model"].nbytes(range(1))  # one file
+    rng = job.parts["rng"]
+    one = rng.nbytes(range(1))
+    assert one > 0 and rng.nbytes(range(3)) == 3 * one  # a file per process
+    optimizer_state = job.optimizer.state_dict()
+    assert job.parts["optimizer"].nbytes(range(2)) == checkpoint.tensor_bytes(optimizer_state)
+
+
+def test_a_snapshot_is_a_copy_that_later_changes_do_not_reach():
+    state = {
+        "step": 3,
+        "history": [1, 2],
+        "nested": {"k": [torch.ones(2)]},
+        "pair": (1, torch.zeros(1)),
+    }
+    copied = checkpoint.cpu_copy(state)
+    state["history"].append(3)
+    state["nested"]["k"][0].add_(1)
+    state["pair"][1].add_(5)
+    assert copied["history"] == [1, 2] and copied["nested"]["k"][0].tolist() == [1.0, 1.0]
+    assert type(copied["pair"]) is tuple and copied["pair"][1].tolist() == [0.0]
+
+    class Counter:
+        def __init__(self):
+            self.seen = {"samples": [1]}
+
+        def state_dict(self):
+            return self.seen
+
+    counter = Counter()
+    frozen = checkpoint.PerProcess(counter, bound_to_world_size=True).snapshot(None, "c", None)
+    counter.seen["samples"].append(2)
+    assert frozen.state.state_dict() == {"samples": [1]} and frozen.bound_to_world_size is True
+    plain = checkpoint.Plain(counter).snapshot(None, "c", None)
+    counter.seen["samples"].append(3)
+    assert plain.state.state_dict() == {"samples": [1, 2]}
+
+
+def test_is_json_takes_plain_values_only():
+    assert checkpoint.is_json({"a": [1, 2.5, "x", None, True, {"b": []}]})
+    for not_plain in ({"a": (1, 2)}, {"a": [torch.zeros(1)]}, {1: "a"}, [b"bytes"], torch.zeros(1)):
+        assert not checkpoint.is_json(not_plain), not_plain
+
+
+def test_an_older_train_state_takes_the_defaults_of_what_it_lacks():
+    state = TrainState()
+    state.load_state_dict(
+        {"step": 12}
+    )  # a checkpoint from before tracker_run_id and lr_decay_steps
+    assert (state.step, state.tracker_run_id, state.lr_decay_steps) == (12, "", 0)
+
+
+def test_the_parts_of_a_model_whose_ranks_keep_their_own_buffers_and_of_fp16(tmp_path):
+    cfg = RunConfig(output_dir=str(tmp_path / "run"))
+    plumbing = TorchDDP(cfg)
+    plumbing.num_processes = 2  # rank 0's view of two processes, no process group
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    parts = checkpoint.checkpoint_parts(plumbing, model, optimizer, train_state=TrainState())
+    assert list(parts) == ["model", "optimizer", "buffers", "train_state", "rng"]
+    buffers_part = parts["buffers"]
+    assert isinstance(buffers_part, checkpoint.PerProcess) and not buffers_part.bound_to_world_size
+    assert set(buffers_part.state.state_dict()) == {
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+    }
+    assert buffers_part.state.module is model and parts["model"].module is model
+    assert not parts["rng"].bound_to_world_size
+    plumbing.num_processes = 1
+    plumbing.scaler = torch.amp.GradScaler("cpu")
+    parts = checkpoint.checkpoint_parts(plumbing, model, optimizer)
+    assert (
+        list(parts) == ["model", "optimizer", "rng", "scaler"]
+        and parts["scaler"] is plumbing.scaler
+    )
+
+
+def test_a_file_with_many_wrong_shapes_names_four_and_counts_the_rest(tmp_path):
+    from safetensors.torch import save_file
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2, bias=False) for _ in range(6)])
+    path = tmp_path / "other.safetensors"
+    save_file({f"{i}.weight": torch.zeros(3, 3) for i in range(6)}, str(path))
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.check_weights(path, model)
+    message = str(error.value)
+    assert message.count("[3, 3] vs model [2, 2]") == 4 and " (+2 more); " in message, message
+    save_file({f"{i}.weight": torch.zeros(3, 3) for i in range(4)}, str(path))
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2, bias=False) for _ in range(4)])
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.check_weights(path, model)
+    assert "more)" not in str(error.value) and str(error.value).count("[3, 3] vs model [2, 2]") == 4
+
+
+def test_tied_weights_are_the_groups_of_one_parameter_under_several_names(tmp_path):
+    gpt = Job(tmp_path).model
+    groups = checkpoint.tied_weights(gpt)
+    assert len(groups) == 1 and len(groups[0]) == 2  # the embedding and the head
+    assert checkpoint.tied_weights(torch.nn.Linear(2, 2)) == []
