@@ -3,8 +3,9 @@ allow (an unbiased sample of breaks, not one chosen beside the tests), and runs 
 reach each broken function. Not part of the suite: it takes minutes per module.
 
     pip install mutmut==3.8.1
-    python scripts/mutation_score.py                     # every module below; writes docs/mutation-score.md
-    python scripts/mutation_score.py sources optim       # some of them (the others' rows are kept)
+    python scripts/mutation_score.py                 # every module below, into docs/mutation-score.json
+    python scripts/mutation_score.py sources optim   # some of them (the others' rows are kept)
+    python scripts/mutation_score.py --table         # the json's counts as docs/mutation-score.md's table
 
 mutmut names a mutant by its file's path and matches it to a function by the function's __module__; train/'s
 modules are imported by their own names (`import config`), so each module is run in a scratch copy of the
@@ -234,12 +235,39 @@ def killed_share(counts: dict) -> float:
     return killed / judged if judged else 0.0
 
 
+def table(measured: dict) -> str:
+    """The counts per module, as docs/mutation-score.md shows them."""
+    rows = [
+        "| module | mutated | tests | mutants | killed | survived | no tests | killed share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for module in MODULES:
+        if module not in measured:
+            continue
+        counts = measured[module]["counts"]
+        killed = counts.get("killed", 0) + counts.get("timeout", 0)
+        timeouts = f" ({counts['timeout']} by timeout)" if counts.get("timeout") else ""
+        scope = "the functions SCOPE names" if module in SCOPE else "all of it"
+        tests = ", ".join(Path(test).name for test in MODULES[module])
+        rows.append(
+            f"| {module} | {scope} | {tests} | {sum(counts.values())} | {killed}{timeouts} | "
+            f"{counts.get('survived', 0)} | {counts.get('no tests', 0)} | {killed_share(counts):.0%} |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("modules", nargs="*", default=list(MODULES), choices=list(MODULES))
+    parser.add_argument("modules", nargs="*", choices=[[], *MODULES], help="default: every one")
+    parser.add_argument(
+        "--table", action="store_true", help="print the measured counts, run nothing"
+    )
     args = parser.parse_args()
     measured = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    for module in args.modules:
+    if args.table:
+        print(table(measured))
+        return
+    for module in args.modules or list(MODULES):
         print(
             f"{module}: mutating train/{module}.py, tests {' '.join(MODULES[module])}", flush=True
         )
