@@ -108,7 +108,11 @@ def test_a_resume_skips_a_damaged_checkpoint_with_a_warning_and_takes_the_one_be
     assert state.step == 2
     assert same_tensors(restarted.model.state_dict(), weights_at_2)
     warning = next(line for line in log.lines if line.startswith("warning:"))
-    assert "step_00000003" in warning and "model.safetensors does not match its checksum" in warning
+    assert warning == (
+        f"warning: skipping damaged checkpoint {job.cfg.output_dir}/checkpoints/step_00000003: "
+        "model.safetensors does not match its checksum (the file was altered or corrupted); trying the one "
+        "before"
+    )
     # the downloaded copy is gone once loaded: the bucket keeps the original
     assert list((tmp_path / "new_pod_staging" / "checkpoints").iterdir()) == []
 
@@ -140,8 +144,11 @@ def test_the_start_up_check_names_the_missing_package_or_the_bad_url_in_one_line
     assert str(missing.value) == (
         f"output_dir needs {package}, an optional install: pip install {package} (got '{url}')"
     )
-    with pytest.raises(ConfigError, match=r"^output_dir is not a URL fsspec can open"):
+    with pytest.raises(ConfigError) as malformed:
         storage.check_output_dir("nosuch://bucket/run")
+    assert str(malformed.value) == (
+        "output_dir is not a URL fsspec can open (Protocol not known: nosuch) (got 'nosuch://bucket/run')"
+    )
     storage.check_output_dir(f"file://{tmp_path}/run")  # a folder that does not exist yet is fine
     storage.check_output_dir(str(tmp_path / "run"))  # not a URL: nothing to check here
 
@@ -230,6 +237,19 @@ def chained(outer: BaseException, inner: BaseException, how: str = "__cause__") 
         (
             PermissionError("Forbidden"),
             "it refused these credentials (expired, rotated or revoked?)",
+        ),
+        (
+            error_named("ClientError", "An error occurred (SignatureDoesNotMatch)"),
+            "it refused these credentials (expired, rotated or revoked?)",
+        ),
+        (
+            error_named("AccessDenied"),
+            "it refused these credentials (expired, rotated or revoked?)",
+        ),
+        (error_named("TimeoutError"), "it accepted the connection but did not answer (stalled)"),
+        (
+            error_named("ConnectionClosedError"),
+            "it closed the connection mid-request (the store is gone?)",
         ),
         (
             error_named("EndpointConnectionError"),
@@ -443,3 +463,54 @@ def test_a_download_empties_the_local_folder_and_logs_its_size_and_time(tmp_path
     prefix = f"downloaded {job.cfg.output_dir}/checkpoints/step_00000002: {size / 1e6:.1f} MB in "
     assert line.startswith(prefix) and line.endswith(" s")
     assert 0 <= float(line.removeprefix(prefix).removesuffix(" s")) < 60
+
+
+def test_a_commit_that_cannot_look_for_the_bucket_or_write_the_manifest_names_the_step(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(storage, "_failures", [])
+    bucket = storage.Bucket(f"file://{tmp_path}/bucket/run")
+
+    def refused(*args, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    lost = (
+        "the checkpoint of step 4 was not committed; the checkpoints committed before it are intact"
+    )
+    monkeypatch.setattr(storage.Bucket, "bucket_exists", refused)
+    with pytest.raises(storage.StoreError) as error:
+        bucket.commit(4, 1, [], {"step": 4})  # no listing: is the bucket still there?
+    assert str(error.value).startswith(f"object storage {bucket.url} failed: {REFUSED}; {lost}")
+    monkeypatch.setattr(storage, "_failures", [])
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "model.safetensors").write_bytes(b"weights")
+    bucket.upload(staged, 4, 0)
+    monkeypatch.setattr(bucket.fs, "pipe_file", refused)  # the manifest, written last
+    with pytest.raises(storage.StoreError) as error:
+        bucket.commit(4, 1, ["model.safetensors"], {"step": 4})
+    assert str(error.value).startswith(f"object storage {bucket.url} failed: {REFUSED}; {lost}")
+
+
+def test_an_uploads_and_a_downloads_deadline_grow_with_their_bytes(tmp_path, monkeypatch):
+    job = bucket_job(tmp_path, "staging")
+    job.save(2)
+    bucket = storage.Bucket(job.cfg.output_dir)
+    sizes = []
+    real = storage.Bucket.bounded
+
+    def recorded(self, lost, fn, nbytes=0):
+        sizes.append(nbytes)
+        return real(self, lost, fn, nbytes)
+
+    monkeypatch.setattr(storage.Bucket, "bounded", recorded)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "model.safetensors").write_bytes(b"x" * 1000)
+    (staged / "optimizer.pt").write_bytes(b"y" * 234)
+    bucket.upload(staged, 5, 0)
+    assert sizes == [1234]
+    sizes.clear()
+    local = bucket.download_newest(tmp_path / "downloads", Log())
+    manifest = json.loads((local / MANIFEST).read_text())
+    assert max(sizes) == sum(entry["bytes"] for entry in manifest["files"].values())

@@ -588,7 +588,7 @@ def store_problem(error: BaseException) -> str:
         return "it refused these credentials (expired, rotated or revoked?)"
     if "EndpointConnectionError" in names or "ConnectionRefused" in names + text:
         return "it refused the connection (the store is gone, or its address changed)"
-    if any(word in names for word in ("ReadTimeout", "ConnectTimeout", "Timeout")):
+    if "Timeout" in names:  # ReadTimeoutError, ConnectTimeoutError, TimeoutError, ...
         return "it accepted the connection but did not answer (stalled)"
     if any(word in names for word in ("ConnectionClosed", "Disconnected", "IncompleteRead")):
         return "it closed the connection mid-request (the store is gone?)"
