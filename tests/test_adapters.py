@@ -172,3 +172,49 @@ def test_resuming_a_full_checkpoint_as_an_adapter_run_or_the_reverse_is_one_line
         with pytest.raises(CheckpointError, match="was saved training") as error:
             check_same_run(tmp_path, about, checkpoint.run_geometry(plumbing, now), now, {})
         assert said in str(error.value) and "\n" not in str(error.value)
+
+
+def test_init_from_a_plain_export_loads_the_frozen_weights_of_a_model_with_adapters(tmp_path):
+    """--init_from an earlier run's export with --lora_r: the file has no adapters and names each layer's weight
+    as the plain model does; it is checked against the frozen weights, loaded into them (the tied embedding
+    and head both), and the adapters keep their fresh start. A file of another shape is refused first."""
+    from safetensors.torch import save_model
+
+    cfg = RunConfig(**GPT, lora_r=4)
+    torch.manual_seed(1)
+    plain = task.build_model(RunConfig(**GPT))
+    path = tmp_path / "model.safetensors"
+    save_model(plain, str(path))
+    torch.manual_seed(2)
+    adapted = task.training_model(cfg)
+    fresh_adapters = {k: v.clone() for k, v in trainable_weights(adapted).items()}
+    checkpoint.load_weights_file(adapted, path)
+    loaded = adapted.state_dict()
+    for name, tensor in plain.state_dict().items():
+        adapted_name = name if name in loaded else name.replace(".weight", ".base_layer.weight")
+        adapted_name = (
+            adapted_name if adapted_name in loaded else name.replace(".bias", ".base_layer.bias")
+        )
+        assert torch.equal(loaded[adapted_name], tensor), name
+    assert all(torch.equal(trainable_weights(adapted)[k], v) for k, v in fresh_adapters.items())
+    other = task.build_model(RunConfig(**{**GPT, "n_embd": 32}))
+    wrong = tmp_path / "wider.safetensors"
+    save_model(other, str(wrong))
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"wider.safetensors does not fit this model: "
+    ):
+        checkpoint.load_weights_file(task.training_model(cfg), wrong)
+
+
+def test_an_adapter_checkpoint_part_counts_and_stages_the_adapters_alone():
+    torch.manual_seed(0)
+    model = trained_a_little(task.training_model(RunConfig(**GPT, lora_r=4)))
+    part = checkpoint.Trainable(model)
+    adapters = trainable_weights(model)
+    assert part.nbytes(range(2)) == sum(t.numel() * t.element_size() for t in adapters.values())
+    staged = part.snapshot(None, "model", None)
+    assert staged.tied == {} and staged.weights.keys() == adapters.keys()
+    assert all(
+        torch.equal(staged.weights[k], v) and staged.weights[k] is not v
+        for k, v in adapters.items()
+    )
