@@ -163,10 +163,25 @@ def scratch_copy(module: str, tests: list[str]) -> Path:
     return folder
 
 
-def run_module(module: str, tests: list[str]) -> dict:
+def mangled(function: str) -> str:
+    """mutmut's name of a function ("f" -> "x_f", "Class.method" -> "x\u01c1Class\u01c1method")."""
+    if "." in function:
+        return "x\u01c1" + function.replace(".", "\u01c1")
+    return f"x_{function}"
+
+
+def readable(mutant: str) -> str:
+    """A mutant's function as `functions` names it: module.x_f__mutmut_3 -> f."""
+    name = mutant.split("__mutmut_")[0].split(".", 1)[1]
+    return name.removeprefix("x_").removeprefix("x\u01c1").replace("\u01c1", ".")
+
+
+def run_module(module: str, tests: list[str], functions: list[str] | None = None) -> dict:
+    """mutmut over the module (its SCOPE), or over these functions only."""
     folder = scratch_copy(module, tests)
     began = time.monotonic()
-    patterns = [f"{module}.{function}__mutmut_*" for function in SCOPE.get(module, [])]
+    chosen = [mangled(function) for function in functions] if functions else SCOPE.get(module, [])
+    patterns = [f"{module}.{function}__mutmut_*" for function in chosen]
     run = subprocess.run(
         [sys.executable, "-m", "mutmut", "run", *patterns],
         cwd=folder,
@@ -215,10 +230,7 @@ def run_module(module: str, tests: list[str]) -> dict:
     by_function = {}  # where the timeouts and survivors sit
     for name, status in statuses.items():
         counts[status] = counts.get(status, 0) + 1
-        # module.x_function__mutmut_N, module.x\u01c1Class\u01c1method__mutmut_N
-        mangled = name.split("__mutmut_")[0].split(".", 1)[1]
-        function = mangled.removeprefix("x_").removeprefix("x\u01c1").replace("\u01c1", ".")
-        seen = by_function.setdefault(function, {})
+        seen = by_function.setdefault(readable(name), {})
         seen[status] = seen.get(status, 0) + 1
     return {
         "counts": counts,
@@ -256,11 +268,43 @@ def table(measured: dict) -> str:
     return "\n".join(rows)
 
 
+def merged(before: dict, again: dict) -> dict:
+    """A module's counts with some functions measured again: theirs replaced, the others kept."""
+    by_function = {
+        function: seen
+        for function, seen in before["by_function"].items()
+        if function not in again["by_function"]
+    }
+    by_function.update(again["by_function"])
+    survivors = {
+        name: survivor
+        for name, survivor in before["survivors"].items()
+        if readable(name) not in again["by_function"]
+    }
+    survivors.update(again["survivors"])
+    counts = {}
+    for seen in by_function.values():
+        for status, number in seen.items():
+            counts[status] = counts.get(status, 0) + number
+    minutes = before["minutes"] + again["minutes"]
+    return {
+        "counts": counts,
+        "by_function": by_function,
+        "survivors": survivors,
+        "minutes": minutes,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", choices=[[], *MODULES], help="default: every one")
     parser.add_argument(
         "--table", action="store_true", help="print the measured counts, run nothing"
+    )
+    parser.add_argument(
+        "--functions",
+        nargs="+",
+        help="measure these functions of one module again (f, Class.method) and merge them in",
     )
     args = parser.parse_args()
     measured = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -271,7 +315,11 @@ def main() -> None:
         print(
             f"{module}: mutating train/{module}.py, tests {' '.join(MODULES[module])}", flush=True
         )
-        measured[module] = run_module(module, MODULES[module])
+        if args.functions:
+            again = run_module(module, MODULES[module], args.functions)
+            measured[module] = merged(measured[module], again)
+        else:
+            measured[module] = run_module(module, MODULES[module])
         counts = measured[module]["counts"]
         print(f"{module}: {killed_share(counts):.0%} killed {counts}", flush=True)
         RESULTS.write_text(json.dumps(measured, indent=1) + "\n")
