@@ -703,6 +703,8 @@ def test_resume_from_refuses_a_missing_part_and_a_position_bound_to_the_world_si
 
 def test_the_note_of_a_resume_on_another_world_size_names_what_changed(tmp_path):
     path = Job(tmp_path, world_size=1, batch_size=8, grad_accum_steps=2).save(4)
+    longer = Job(tmp_path / "longer", world_size=1, batch_size=8, grad_accum_steps=2, block_size=16)
+    assert refusal(lambda: longer.load(path)).startswith(f"{path} was saved with global batch 16 ")
     note = Job(tmp_path / "two", world_size=2, batch_size=8, grad_accum_steps=1).load(path)
     assert note == (
         "; world_size 1 -> 2, grad_accum_steps 2 -> 1: the same global batch and samples in every step, a "
