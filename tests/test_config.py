@@ -489,6 +489,9 @@ def test_every_check_refuses_with_its_whole_line(argv, line):
         ["--tracker", "none"],
         ["--tracker", "wandb,tensorboard"],
         ["--streaming", "true", "--num_workers", "0"],
+        ["--shared_filesystem", "false"],  # without FSDP, each node may keep its own folder
+        ["--optimizer", "muon"],  # under DDP
+        ["--lora_r", "4", "--lora_alpha", "0.5"],
         ["--weight_decay", "0", "--save_every", "0", "--upload_timeout_s", "0", "--min_lr", "0"],
     ],
 )
@@ -584,6 +587,7 @@ def test_the_dataset_key_is_parsed_into_its_sources():
             ["--lr", "--max_steps", "3"],
             "lr needs a value (--lr VALUE; got the next flag --max_steps)",
         ),
+        (["--lr", "--max_steps"], "lr needs a value (--lr VALUE; got the next flag --max_steps)"),
         (["--zzqqxx", "1"], "unknown key 'zzqqxx'"),  # nothing close: no "did you mean"
         (["--max_step", "1"], "unknown key 'max_step' (did you mean 'max_steps'?)"),
     ],
@@ -680,3 +684,18 @@ def test_usage_names_the_script_and_shows_each_keys_line(monkeypatch):
         lines[heading - 1] == ""
         and lines[heading + 1].rstrip() == "  --width             int   default 8"
     )
+
+
+def test_a_type_without_a_name_is_shown_as_written():
+    import dataclasses
+
+    from config import type_name_of
+
+    @dataclasses.dataclass
+    class Declared:
+        plain: int = 1
+        optional: int | None = None  # a type object without __name__
+
+    plain, optional = dataclasses.fields(Declared)
+    assert type_name_of(plain) == "int"
+    assert type_name_of(optional) == "int | None"
