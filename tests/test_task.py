@@ -186,7 +186,7 @@ def plumbing_of(num_processes, other_ranks_items=0):
     return SimpleNamespace(
         device=torch.device("cpu"),
         num_processes=num_processes,
-        reduce=lambda tensor, op: tensor + other_ranks_items,
+        reduce=lambda tensor, op: tensor + other_ranks_items if op == "sum" else None,
     )
 
 
@@ -202,6 +202,8 @@ def test_loss_weights_make_the_step_a_mean_over_every_counted_item(monkeypatch):
     assert task.loss_weights(equal, plumbing_of(2, other_ranks_items=8)).tolist() == [1.0, 1.0]
     one_rank = [{"counted": 1}, {"counted": 2}, {"counted": 3}]  # plain ints, one process
     assert task.loss_weights(one_rank, plumbing_of(1)).tolist() == [0.5, 1.0, 1.5]
+    one_item = [{"counted": 1}, {"counted": 0}]  # one counted token in the whole step
+    assert task.loss_weights(one_item, plumbing_of(1)).tolist() == [2.0, 0.0]
     nothing_counted = [{"counted": 0}, {"counted": 0}]  # every label masked: no division by 0
     assert task.loss_weights(nothing_counted, plumbing_of(1)).tolist() == [0.0, 0.0]
     monkeypatch.setattr(task, "loss_counter", lambda: None)  # a task without loss_items
