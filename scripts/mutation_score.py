@@ -297,7 +297,7 @@ def merged(before: dict, again: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("modules", nargs="*", choices=[[], *MODULES], help="default: every one")
+    parser.add_argument("modules", nargs="*", help=f"of {', '.join(MODULES)} (default: every one)")
     parser.add_argument(
         "--table", action="store_true", help="print the measured counts, run nothing"
     )
@@ -307,6 +307,9 @@ def main() -> None:
         help="measure these functions of one module again (f, Class.method) and merge them in",
     )
     args = parser.parse_args()
+    unknown = [module for module in args.modules if module not in MODULES]
+    if unknown:
+        parser.error(f"no module {unknown[0]!r} is measured (choose from {', '.join(MODULES)})")
     measured = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if args.table:
         print(table(measured))
