@@ -125,10 +125,10 @@ def test_bad_yaml_files(tmp_path):
         load_config(["--config", str(tmp_path / "absent.yaml")])
     typo = tmp_path / "typo.yaml"
     typo.write_text("max_step: 10\n")
-    with pytest.raises(
-        ConfigError, match="unknown key 'max_step' \\(did you mean 'max_steps'\\?\\)"
-    ):
+    # the line names the file the key came from
+    with pytest.raises(ConfigError) as refused:
         load_config(["--config", str(typo)])
+    assert str(refused.value) == f"unknown key 'max_step' in {typo} (did you mean 'max_steps'?)"
 
 
 @pytest.mark.parametrize(
@@ -699,3 +699,106 @@ def test_a_type_without_a_name_is_shown_as_written():
     plain, optional = dataclasses.fields(Declared)
     assert type_name_of(plain) == "int"
     assert type_name_of(optional) == "int | None"
+
+
+def test_a_resume_starts_from_the_runs_own_config_then_the_file_then_the_flags(
+    tmp_path, monkeypatch
+):
+    """`--output_dir RUN --resume latest`, the command a run prints, continues RUN as it was
+    configured: its config.yaml is below --config and the flags, and without --output_dir the newest
+    runs/run_NNN's is read (the run --resume latest takes)."""
+    import yaml
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = {"block_size": 32, "lr": 0.002, "max_steps": 50, "resume": "", "init_from": "gone"}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    resumed = load_config(["--output_dir", str(run_dir), "--resume", "latest"])
+    assert (resumed.block_size, resumed.lr, resumed.max_steps) == (32, 0.002, 50)
+    # how this start resumes is its own command's: never the saved resume or init_from
+    assert (resumed.resume, resumed.init_from) == ("latest", "")
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("lr: 0.005\n")
+    argv = ["--output_dir", str(run_dir), "--resume", "latest", "--config", str(preset)]
+    layered = load_config([*argv, "--max_steps", "80"])
+    assert (layered.block_size, layered.lr, layered.max_steps) == (32, 0.005, 80)
+    # no resume: the run's config is not read
+    assert load_config(["--output_dir", str(run_dir)]).block_size == RunConfig().block_size
+    # without --output_dir, the newest numbered run's
+    monkeypatch.chdir(tmp_path)
+    for number, block_size in ((1, 16), (12, 24), (3, 48)):
+        folder = tmp_path / "runs" / f"run_{number:03d}"
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump({"block_size": block_size}))
+    assert load_config(["--resume", "latest"]).block_size == 24
+    # a key the run saved that this template does not know names the run's file
+    (run_dir / "config.yaml").write_text("n_layers: 2\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(["--output_dir", str(run_dir), "--resume", "latest"])
+    assert str(refused.value).startswith(
+        f"unknown key 'n_layers' in {run_dir / 'config.yaml'} (the run's own config, which a resume "
+        "starts from)"
+    )
+
+
+@pytest.mark.shipped  # the shipped GPT's keys, named in config.py for the line after a fork
+def test_the_shipped_model_keys_config_names_are_the_shipped_model_py_s(capsys):
+    import dataclasses
+
+    import config
+    import model
+
+    declared = tuple(field.name for field in dataclasses.fields(model.ModelConfig))
+    assert config.SHIPPED_MODEL_KEYS == declared
+    # the shipped model.py declares them: the section applies
+    debug = load_config(["--config", str(REPO / "train" / "configs" / "debug.yaml")])
+    assert (debug.n_layer, debug.n_head, debug.n_embd) == (1, 2, 32)
+    assert capsys.readouterr().err == ""
+
+
+def test_every_preset_loads_after_a_fork_and_a_gpt_key_elsewhere_is_named(
+    tmp_path, monkeypatch, capsys
+):
+    """After `cp examples/<any>/*.py train/`, each shipped preset loads: its `gpt:` section (the
+    shipped GPT's sizes) is left out in one note naming the file and the keys; the same key outside
+    the section is refused naming its file and whose key it is."""
+    import dataclasses
+    import types
+
+    import config
+    import task
+
+    @dataclasses.dataclass
+    class ModelConfig:
+        # the fork's own
+        hidden_width: int = 128
+
+    fork_model = types.ModuleType("model")
+    fork_model.ModelConfig = ModelConfig
+    monkeypatch.setattr(task, "fork_file", {"model": fork_model, "data": None}.get)
+    monkeypatch.delenv("RANK", raising=False)
+    config.config_class.cache_clear()
+    try:
+        for preset in sorted((REPO / "train" / "configs").glob("*.yaml")):
+            cfg = load_config(["--config", str(preset)])
+            assert not hasattr(cfg, "n_layer")
+            note = capsys.readouterr().err.strip()
+            assert note.startswith(f"note: {preset}'s gpt: section (n_layer, n_head, n_embd")
+            assert note.endswith(
+                "this train/model.py does not declare those keys, so they are left out"
+            )
+            assert len(note.splitlines()) == 1
+        mine = tmp_path / "mine.yaml"
+        mine.write_text("n_layer: 2\nlr: 0.01\n")
+        with pytest.raises(ConfigError) as refused:
+            load_config(["--config", str(mine)])
+        assert str(refused.value).startswith(
+            f"unknown key 'n_layer' in {mine}: a key of the shipped GPT (train/model.py's ModelConfig"
+        )
+        # a key in the section that is no GPT key is a typo, refused like any other
+        mine.write_text("gpt:\n  n_layers: 2\n")
+        with pytest.raises(ConfigError) as refused:
+            load_config(["--config", str(mine)])
+        assert str(refused.value) == f"unknown key 'n_layers' in {mine}"
+    finally:
+        config.config_class.cache_clear()

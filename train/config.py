@@ -21,11 +21,12 @@ import os
 import re
 import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import yaml
 
 from errors import ConfigError
-from run_folder import RunFolder, is_url
+from run_folder import LAYOUT, RunFolder, is_url, numbered_run, run_numbers
 from sources import Source, parse_dataset
 from task import fork_settings
 
@@ -367,6 +368,10 @@ CHOICES = {
 
 
 # keys an earlier version had, under their new names
+# the shipped GPT's own keys (train/model.py's ModelConfig as the template ships it; a test holds the two
+# equal): after a fork they are not keys, and the line that refuses one says whose they are
+SHIPPED_MODEL_KEYS = ("n_layer", "n_head", "n_embd", "dropout", "bias")
+SHIPPED_MODEL_SECTION = "gpt"  # a preset's section of them (train/configs/*.yaml)
 RENAMED = {
     "model": "hf_model: a Hugging Face model's hub name or folder; leave it out for model.py's own"
 }
@@ -394,33 +399,110 @@ def _require(key: str, ok: bool, problem: str, value) -> None:
 
 
 def load_config(argv: list[str] | None = None) -> TrainConfig:
-    """Defaults < --config YAML < --key value flags. Raises ConfigError on any bad key or value."""
+    """Defaults < the run's own config.yaml (a resume: --resume with the run folder it names) <
+    --config YAML < --key value flags. Raises ConfigError on any bad key or value, naming the file a
+    key came from."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print(usage())  # noqa: T201 - --help is for the terminal
         sys.exit(0)
     config_file, overrides = _split_argv(argv)
-    values = _read_yaml(config_file) if config_file else {}
-    values.update(overrides)
     run_config = config_class()
     types = {f.name: f.type for f in fields(run_config)}
+    from_file = (
+        shipped_model_section(_read_yaml(config_file), config_file, types) if config_file else {}
+    )
+    # a resume continues the run as it was configured: the commands a run prints need no --config
+    saved_path, saved = resumed_run_config({**from_file, **overrides})
+    values = {**saved, **from_file, **overrides}
+    # where each key came from, for the line that refuses it (a flag: the line itself)
+    source = {key: f" in {saved_path}" for key in saved} | {
+        key: f" in {config_file}" for key in from_file
+    }
+    source |= {key: "" for key in overrides}
     typed = {}
     for key, raw in values.items():
         if key not in types:
-            raise ConfigError(f"unknown key '{key}'{unknown_key_hint(key, types)}")
+            raise ConfigError(f"unknown key '{key}'{source[key]}{unknown_key_hint(key, types)}")
         typed[key] = coerce(key, raw, types[key])
     cfg = run_config(**typed)
     cfg.validate()
     return cfg
 
 
+def resumed_run_config(given: dict) -> tuple[str, dict]:
+    """A resume's run folder's config.yaml, as (its path, its values): the defaults a resume
+    starts from, so that `--output_dir RUN --resume latest` continues RUN as it was launched. ("",
+    {}) when not resuming, or when the run has no config.yaml yet (a first start that stopped
+    early)."""
+    if not given.get("resume"):
+        return "", {}
+    output_dir = str(given.get("output_dir") or "")
+    if not output_dir and given["resume"] == "latest" and run_numbers():
+        output_dir = numbered_run(max(run_numbers()))  # the run --resume latest will take
+    if not output_dir:
+        return "", {}
+    folder = RunFolder(output_dir)
+    path = f"{output_dir.rstrip('/')}/{LAYOUT['config']}"
+    if folder.on_bucket:
+        text = read_from_store(path)
+    else:
+        text = Path(path).read_text() if Path(path).is_file() else None
+    if text is None:
+        return "", {}
+    values = yaml.safe_load(text) or {}
+    # never carried over: how this start resumes is this command's to say
+    for key in ("resume", "require_resume", "init_from"):
+        values.pop(key, None)
+    return f"{path} (the run's own config, which a resume starts from)", values
+
+
+def read_from_store(url: str) -> str | None:
+    """A small file on object storage (fsspec), or None where it cannot be read: the checks that
+    follow (storage.check_output_dir) say why in their own line."""
+    try:
+        import fsspec
+
+        with fsspec.open(url, "r") as f:
+            return f.read()
+    except Exception:  # noqa: BLE001 - any store's failure: nothing to start from
+        return None
+
+
+def shipped_model_section(values: dict, path: str, known) -> dict:
+    """A preset's keys, flat. Its `gpt:` section holds the shipped GPT's sizes (train/model.py's
+    ModelConfig as the template ships it): they apply while model.py declares them, and a fork's
+    model.py that does not runs without them, saying so in one line (the presets work after any
+    fork). Any other key in the section is refused as an unknown key would be."""
+    section = values.pop(SHIPPED_MODEL_SECTION, None) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(
+            f"config: {path}'s {SHIPPED_MODEL_SECTION}: section must be a mapping of key: value"
+        )
+    left_out = [key for key in section if key not in known and key in SHIPPED_MODEL_KEYS]
+    if left_out and os.environ.get("RANK", "0") == "0":
+        print(  # noqa: T201 - said once, before anything starts
+            f"note: {path}'s {SHIPPED_MODEL_SECTION}: section ({', '.join(left_out)}) sizes the shipped "
+            f"GPT; this train/model.py does not declare those keys, so they are left out",
+            file=sys.stderr,
+        )
+    applied = {key: value for key, value in section.items() if key not in left_out}
+    return {**values, **applied}
+
+
 def unknown_key_hint(key: str, known) -> str:
-    """Where a key went (a renamed one), or the closest known key."""
+    """Where a key went (a renamed one), whose it is (the shipped GPT's, after a fork), or the
+    closest known key."""
     renamed = dict(RENAMED)
     for settings in fork_settings().values():
         renamed.update(getattr(settings, "RENAMED", {}))
     if key in renamed:
         return f" (renamed {renamed[key]})"
+    if key in SHIPPED_MODEL_KEYS:
+        return (
+            f": a key of the shipped GPT (train/model.py's ModelConfig as the template ships it), which "
+            f"this train/model.py does not declare (a preset keeps them in its {SHIPPED_MODEL_SECTION}: section)"
+        )
     close = difflib.get_close_matches(key, known, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 

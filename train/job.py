@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -32,7 +31,7 @@ from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
 from profiling import profile_window, start_clock, write_oom_snapshot
 from resume import check_same_run, check_sources
-from run_folder import RunFolder, held_run_folder, step_of
+from run_folder import RUNS_ROOT, RunFolder, held_run_folder, numbered_run, run_numbers, step_of
 from stopping import Preempted, StopSignals, stop_signals
 from storage import check_output_dir, open_run_folder
 from task import check_fork_files
@@ -46,8 +45,6 @@ LOADER_DIED = (
     "less memory per sample); the last checkpoint is intact: --resume latest"
 )
 LOADER_RAISES_TOLERATED = 64  # a dead worker's error raised again this often on the way out: exit
-RUNS_ROOT = Path("runs")
-RUN_NAME = re.compile(r"run_(\d+)")
 
 
 def claim_run_folder(cfg, plumbing, identity: dict) -> TrainConfig:
@@ -61,7 +58,7 @@ def claim_run_folder(cfg, plumbing, identity: dict) -> TrainConfig:
         number_everywhere = plumbing.reduce(
             torch.tensor(float(number), device=plumbing.device), "sum"
         )
-        cfg = replace(cfg, output_dir=str(RUNS_ROOT / f"run_{int(number_everywhere.item()):03d}"))
+        cfg = replace(cfg, output_dir=numbered_run(int(number_everywhere.item())))
         if cfg.resume == "latest":
             check_the_newest_run_fits(cfg, plumbing, identity)
     folder = RunFolder.of(cfg)
@@ -93,16 +90,14 @@ def check_the_newest_run_fits(cfg, plumbing, identity: dict) -> None:
 def pick_run_number(newest: bool) -> int:
     """The newest runs/run_NNN (to resume it), or a new one, created here so that two jobs never
     share it."""
-    numbers = [
-        int(m.group(1)) for p in RUNS_ROOT.glob("run_*") if (m := RUN_NAME.fullmatch(p.name))
-    ]
+    numbers = run_numbers()
     if newest and numbers:
         return max(numbers)
     number = max(numbers, default=0) + 1
     RUNS_ROOT.mkdir(parents=True, exist_ok=True)
     while True:
         try:
-            (RUNS_ROOT / f"run_{number:03d}").mkdir()
+            Path(numbered_run(number)).mkdir()
             return number
         except FileExistsError:  # another job took it a moment ago
             number += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -141,3 +142,58 @@ def git_changes() -> dict:
     ):  # not a git checkout (a copy, an installed package)
         return {"git_diff": None, "git_untracked": None}
     return {"git_diff": diff, "git_untracked": untracked}
+
+
+# ---------------------------------------------------------------- the commands a run prints
+
+# the launchers whose command a printed command keeps, by how their command line starts: the
+# executable's name (argv[1] after the interpreter), or python -m's module
+LAUNCHERS = {"accelerate": "accelerate", "torchrun": "torchrun", "launch.py": None}
+LAUNCHER_MODULES = ("torch.distributed.run", "accelerate.commands.launch")
+
+
+def relaunch_command(*flags: str) -> str:
+    """This script launched again the way this start was, with `flags` for the script: the launcher
+    and its options (accelerate launch, torchrun, scripts/launch.py above either) kept, the script's
+    own flags replaced, so that a command the run prints works when pasted. Reads the parent
+    processes' command lines (Linux); without them, `python <script>`."""
+    script = sys.argv[0]
+    prefix = ["python", script]
+    if "--spawn" in sys.argv:  # torch_ddp.py --spawn N: its processes are its own children
+        spawned = sys.argv[sys.argv.index("--spawn") + 1 : sys.argv.index("--spawn") + 2]
+        prefix += ["--spawn", *spawned]
+    pid = os.getpid()
+    for _ in range(3):  # scripts/launch.py > accelerate launch > this process, at most
+        pid = parent_of(pid)
+        launcher = launcher_prefix(process_command(pid) if pid else None, script)
+        if launcher is None:
+            break
+        prefix = [*launcher, script]
+    return shlex.join([*prefix, *flags])
+
+
+def launcher_prefix(command: list[str] | None, script: str) -> list[str] | None:
+    """A launcher's command up to the script it starts, as a person types it; None when `command`
+    is not a launcher of `script`."""
+    if not command or script not in command[1:]:
+        return None
+    before_script = command[: command.index(script, 1)]
+    if len(before_script) < 2:
+        return None
+    program = os.path.basename(before_script[1])
+    if program in LAUNCHERS:
+        shown = LAUNCHERS[program] or f"python {before_script[1]}"
+        return [*shown.split(), *before_script[2:]]
+    if before_script[1] == "-m" and len(before_script) > 2 and before_script[2] in LAUNCHER_MODULES:
+        return ["python", *before_script[1:]]
+    return None
+
+
+def parent_of(pid: int) -> int | None:
+    """A process's parent (Linux), or None."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^PPid:\s*(\d+)", status, re.MULTILINE)
+    return int(found.group(1)) if found and found.group(1) != "0" else None

@@ -42,6 +42,8 @@ LAYOUT = {
     "requeue_marker": "preempted.json",
     "lock": ".lock",
 }
+RUNS_ROOT = Path("runs")  # where a run without --output_dir goes: runs/run_001, runs/run_002, ...
+RUN_NAME = re.compile(r"run_(\d+)")
 STEP_PREFIX = "step_"
 COMMITTED_NAME = re.compile(r"step_\d{8}")  # step_00000300: zero-padded, they sort as text
 MANIFEST = "manifest.json"  # written last: a checkpoint folder without one was never committed
@@ -51,6 +53,15 @@ _held_locks = []  # open until the process exits: closing the file would release
 def is_url(output_dir: str) -> bool:
     """Whether output_dir names object storage (any fsspec URL) rather than a folder."""
     return bool(URL.match(output_dir))
+
+
+def run_numbers() -> list[int]:
+    """The numbers of the runs under runs/ (run_001 -> 1), in no order."""
+    return [int(m.group(1)) for p in RUNS_ROOT.glob("run_*") if (m := RUN_NAME.fullmatch(p.name))]
+
+
+def numbered_run(number: int) -> str:
+    return str(RUNS_ROOT / f"run_{number:03d}")
 
 
 def step_name(step: int) -> str:

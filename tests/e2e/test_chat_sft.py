@@ -24,13 +24,13 @@ import torch
 from conftest import (
     FAULTY_MAIN,
     REPO,
+    TINY,
     fork_with,
     launch_accelerate,
     launch_torchrun,
     load_weights,
     read_metrics,
     tiny_args,
-    without_the_gpts_keys,
     write_chats,
 )
 
@@ -44,7 +44,7 @@ class ChatFork:
     def __init__(self, root: Path, chat_llama: Path):
         self.root = root
         self.fork = fork_with(root, EXAMPLE / "model.py", EXAMPLE / "data.py")
-        self.config = without_the_gpts_keys(root / "tiny.yaml")
+        self.config = TINY  # its gpt: section left out, as after any fork
         self.chats = write_chats(root / "chats.jsonl")
         self.chat_llama = chat_llama
 

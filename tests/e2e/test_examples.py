@@ -25,6 +25,7 @@ import torch
 
 from conftest import (
     REPO,
+    TINY,
     base_env,
     fork_with,
     launch_accelerate,
@@ -33,7 +34,6 @@ from conftest import (
     read_metrics,
     run,
     tiny_args,
-    without_the_gpts_keys,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
@@ -150,7 +150,7 @@ class Example:
         self.steps = 32 if name == "text_classification" else 16
         self.learns_to = 0.98 if name == "text_classification" else 0.8
         self.fork = make_fork(root, name)
-        self.config = without_the_gpts_keys(root / "tiny.yaml")
+        self.config = TINY  # its gpt: section left out, as after any fork
         self.data = example_args(name, root)
         self.main = self.fork / "train" / "main.py"
         self.torch_ddp = self.fork / "train" / "torch_ddp.py"

@@ -3,7 +3,9 @@ a refused input is its one `error:` line and exit 2, SIGTERM a checkpoint and ex
 terminal's whole process group) a checkpoint and exit 130, and no launcher traceback or summary in any of
 them. Under bare `accelerate launch` the workers do the same, and the launcher says 1 (README)."""
 
+import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -37,7 +39,9 @@ def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_tracebac
     tmp_path, corpus, stop, code
 ):
     out = tmp_path / "run"
-    args = tiny_args(out, corpus, max_steps=2000, save_every=1000, eval_every=1000)
+    # SIGTERM's run is continued below with the command it prints: a horizon it reaches in seconds
+    max_steps = 40 if stop == signal.SIGTERM else 2000
+    args = tiny_args(out, corpus, max_steps=max_steps, save_every=1000, eval_every=1000)
     job = subprocess.Popen(
         [*LAUNCH, *map(str, args)],
         cwd=REPO,
@@ -59,8 +63,13 @@ def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_tracebac
     assert job.returncode == code, output[-3000:]
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
     name = "SIGINT" if stop == signal.SIGINT else "SIGTERM"
-    assert (
-        f"on {name}, checkpoint saved: continue with --output_dir {out} --resume latest" in output
+    # the command to continue names the launcher it was started with, and no --config: the run's
+    # own config.yaml is where a resume starts from
+    said = f"on {name}, checkpoint saved: continue with "
+    continue_with = next(line for line in output.splitlines() if said in line).split(said)[1]
+    launched_as = ["python", *LAUNCH[1:]]  # as a person types it
+    assert continue_with == shlex.join(
+        [*launched_as, "--output_dir", str(out), "--resume", "latest"]
     )
     # the checkpoint is the step it stopped at
     stopped_at = max(row["step"] for row in read_metrics(out))
@@ -68,3 +77,41 @@ def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_tracebac
     assert newest == f"step_{stopped_at:08d}", output[-3000:]
     # a scheduler's SIGTERM is a preemption to requeue; a person's Ctrl-C is not
     assert (out / "preempted.json").exists() == (stop == signal.SIGTERM)
+    if stop == signal.SIGTERM:
+        every_printed_command_works_when_pasted(continue_with, out, tmp_path, stopped_at)
+
+
+def every_printed_command_works_when_pasted(continue_with, out, tmp_path, stopped_at):
+    """The stop line's command, then the summary's `train on`, each run as printed: the first ends
+    the run at its max_steps (the preset's block_size and the run's flags from its config.yaml), the
+    second trains on to twice that with the cosine stretched to the new horizon."""
+    resumed = paste(continue_with, tmp_path)
+    assert f"done: step 40 (this start: steps {stopped_at + 1}-40 in " in resumed, resumed[-3000:]
+    # the summary's best evaluation is the run's, over both starts
+    losses = {row["step"]: row["eval_loss"] for row in read_metrics(out) if "eval_loss" in row}
+    best_step = min(losses, key=losses.get)
+    assert f"best eval_loss: {losses[best_step]:.4g} at step {best_step}" in resumed
+    train_on = next(line for line in resumed.splitlines() if line.startswith("train on to step 80"))
+    paste(train_on.split(": ", 1)[1], tmp_path)
+    lrs = {row["step"]: row["lr"] for row in read_metrics(out) if "lr" in row}
+    assert max(lrs) == 80
+    # tiny.yaml's lr 3e-3 and min_lr 3e-4, warmup_steps 4 (tiny_args): cosine over 80 steps from 40 on
+    for step in (41, 60, 79):
+        progress = (step - 1 - 4) / (80 - 4)  # set_lr at the update that makes step `step`
+        expected = 3e-4 + 0.5 * (3e-3 - 3e-4) * (1 + math.cos(math.pi * progress))
+        assert lrs[step] == pytest.approx(expected, rel=1e-6), (step, lrs[step], expected)
+
+
+def paste(command: str, tmp_path) -> str:
+    """A printed command, run as a person pastes it in the repository's folder: its output."""
+    done = subprocess.run(
+        shlex.split(command),
+        cwd=REPO,
+        env=base_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    return output

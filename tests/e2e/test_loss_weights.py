@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from conftest import (
     REPO,
+    TINY,
     fork_with,
     launch_torchrun,
     load_weights,
     run_python,
     tiny_args,
-    without_the_gpts_keys,
 )
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,7 @@ def test_accumulation_and_ranks_give_the_full_batch_gradient_of_the_mean_over_co
     tmp_path, fork
 ):
     loss, grad_norm, weights = independent_step()
-    config = without_the_gpts_keys(tmp_path / "tiny.yaml")
+    config = TINY  # its gpt: section left out, as after any fork
     accumulated = run_python(
         tiny_args(
             tmp_path / "accum4",
