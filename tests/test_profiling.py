@@ -1,8 +1,13 @@
-"""profiling.py in one process: the window's edges (a resume inside it records the rest), the start clock's
+"""profiling.py in one process: the window's edges (a resume inside it records the rest), what a run with a
+window shows on the console (one line naming the traces, none of the profiler's own), the start clock's
 arithmetic, and the one-line refusals and out-of-memory line (the window across ranks and a stop:
 tests/e2e/test_tracking_runs.py; a stop inside it: tests/e2e/test_resume.py)."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -11,7 +16,7 @@ import torch
 
 from checks import check_devices
 from config import config_class
-from conftest import REPO
+from conftest import MAIN, REPO, base_env, tiny_args
 from errors import ConfigError
 from job import out_of_memory
 from profiling import ProfilerWindow, StartClock, profile_window, restart_line
@@ -56,7 +61,7 @@ def spans_of(trace) -> list[str]:
 
 
 def test_the_window_records_its_steps_and_a_start_inside_it_records_the_rest(tmp_path):
-    rank0 = SimpleNamespace(process_index=0)
+    rank0 = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True)
     cfg = RunConfig(output_dir=str(tmp_path), profile_steps="3:5", max_steps=8)
     fresh = ProfilerWindow(cfg, rank0, resumed_step=0)
     steps(fresh, 1, 8)
@@ -65,7 +70,12 @@ def test_the_window_records_its_steps_and_a_start_inside_it_records_the_rest(tmp
     after = ProfilerWindow(cfg, rank0, resumed_step=5)  # past the window: nothing
     steps(after, 6, 8)
     found = sorted(p.name for p in (tmp_path / "profile").iterdir())
-    assert found == ["rank0.steps_3-5.pt.trace.json", "rank0.steps_4-5.pt.trace.json"]
+    assert found == [
+        "rank0.profiler.log",  # the profiler's own lines, both windows'
+        "rank0.steps_3-5.pt.trace.json",
+        "rank0.steps_4-5.pt.trace.json",
+    ]
+    found = found[1:]
     assert spans_of(tmp_path / "profile" / found[0]) == [f"train step {n}" for n in (3, 4, 5)]
     assert spans_of(tmp_path / "profile" / found[1]) == ["train step 4", "train step 5"]
 
@@ -141,3 +151,96 @@ def test_the_process_s_start_is_read_from_proc():
     ).stdout.split()
     begun, now = float(out[0]), float(out[1])
     assert 0.5 <= now - begun < 5.0, now - begun
+
+
+SCALES = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+def said_size(line: str) -> tuple[int, float, float]:
+    """The (files, bytes, rounding) a profile line says: its size back in bytes, to its one decimal."""
+    files, number, unit = re.search(r"\((\d+) files?, ([\d.]+) (B|kB|MB|GB): ", line).groups()
+    return int(files), float(number) * SCALES[unit], 0.05 * SCALES[unit]
+
+
+@pytest.mark.slow
+def test_a_run_says_where_its_traces_went_and_keeps_the_profiler_s_lines_off_the_console(
+    tmp_path, corpus
+):
+    """What a person sees of --profile_steps, stdout and stderr apart (both pipes): one line with the
+    folder, the files and their size on disk, in its place among the step lines; Kineto's `USDT:` lines
+    in the profile folder's log, not on either stream."""
+    out = tmp_path / "run"
+    args = tiny_args(out, corpus, max_steps=6, eval_every=6, save_every=0, profile_steps="3:5")
+    shown = subprocess.run(
+        [sys.executable, str(MAIN), *args],
+        env=base_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
+    assert shown.returncode == 0, shown.stdout[-3000:] + shown.stderr[-3000:]
+    assert "USDT" not in shown.stdout and "USDT" not in shown.stderr, shown.stderr
+    lines = shown.stdout.splitlines()
+    (said,) = [line for line in lines if line.startswith("profile: ")]
+    folder = out / "profile"
+    traces = [folder / "rank0.steps_3-5.pt.trace.json"]
+    assert sorted(folder.glob("*.pt.trace.json")) == traces
+    assert said.startswith(f"profile: steps 3-5 traced in {folder} (1 file, "), said
+    assert ": rank0.steps_3-5.pt.trace.json; " in said and said.endswith("rank0.profiler.log)")
+    files, size, rounding = said_size(said)
+    assert files == len(traces)
+    assert abs(size - sum(os.path.getsize(trace) for trace in traces)) <= rounding, said
+    # the window closes after step 5's optimizer step, before its log line: between steps 4 and 5
+    steps = [line.split(" |")[0] for line in lines if line.startswith("step ")]
+    assert steps[:6] == [f"step {n}/6" for n in range(1, 7)], steps
+    step_4 = lines.index(next(line for line in lines if line.startswith("step 4/6 |")))
+    assert lines[step_4 + 1] == said
+    # not lost: the profiler's start and stop, in its log (torch 2.13's Kineto prints them)
+    log = (folder / "rank0.profiler.log").read_text()
+    assert "profiler_start" in log and "profiler_stop" in log, log
+
+
+def test_output_to_the_log_keeps_the_console_s_lines_and_their_order_on_pipes(tmp_path):
+    """Inside output_to_log, what Python, C's printf and a raw write to descriptor 2 print goes to the
+    log; what was printed before it (still in Python's or C's buffers: pipes, no PYTHONUNBUFFERED) and
+    after it reaches the console, in order."""
+    script = f"""
+import ctypes, os, sys
+from types import SimpleNamespace
+from profiling import ProfilerWindow
+cfg = SimpleNamespace(profile_steps="", run_dir={str(tmp_path)!r}, output_dir={str(tmp_path)!r},
+                      shared_filesystem=True, oom_snapshot=False)
+window = ProfilerWindow(cfg, SimpleNamespace(process_index=0), resumed_step=0)
+libc = ctypes.CDLL(None)
+print("python before")
+libc.printf(b"printf before\\n")
+print("python stderr before", file=sys.stderr)
+with window.output_to_log():
+    print("python inside")
+    libc.printf(b"printf inside\\n")
+    os.write(2, b"fd 2 inside\\n")
+print("python after", flush=True)
+libc.printf(b"printf after\\n")
+print("python stderr after", file=sys.stderr)
+libc.fflush(None)
+"""
+    env = {k: v for k, v in base_env(tmp_path).items() if k != "PYTHONUNBUFFERED"}
+    shown = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=TRAIN,
+        check=True,
+    )
+    assert shown.stdout.splitlines() == [
+        "python before",
+        "printf before",
+        "python after",
+        "printf after",
+    ]
+    assert shown.stderr.splitlines() == ["python stderr before", "python stderr after"]
+    log = (tmp_path / "profile" / "rank0.profiler.log").read_text().splitlines()
+    assert sorted(log) == ["fd 2 inside", "printf inside", "python inside"]

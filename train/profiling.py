@@ -12,6 +12,11 @@ Each step is one `train step N` span, so the window's steps are easy to find, an
 are the operators inside. Outside the window the profiler does not exist: the loop pays one integer
 comparison per step. A run stopped inside the window writes what it recorded (at exit).
 
+When the window closes, the main process says where the traces went in one line, e.g. `profile: steps
+3-5 traced in runs/x/profile (2 files, 2.1 MB: rank{0..1}.steps_3-5.pt.trace.json; ...)`, their count
+and size summed over every rank. What the profiler's C++ side prints (Kineto's `USDT:` lines at its
+start and stop, its warnings) goes to `profile/rank{r}.profiler.log` instead of the console.
+
 --oom_snapshot (CUDA): the memory history is recorded from the first step, and an out-of-memory error
 writes `<output_dir>/profile/rank{r}.oom.memory.pickle` before the job's one `error:` line names it. The
 CUDA parts are untested on the CPU machines the suite runs on (the window's trace is tested).
@@ -25,12 +30,15 @@ with the steps lost since the checkpoint it resumed from.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from errors import ConfigError
 
@@ -65,6 +73,9 @@ class ProfilerWindow:
     def __init__(self, cfg, plumbing, resumed_step: int):
         self.window = profile_window(cfg)  # (START, END), or None
         self.folder = Path(cfg.run_dir) / PROFILE_FOLDER
+        # each node's own folder: node-local disks, or a run on object storage (its staging folder)
+        self.on_each_node = not cfg.shared_filesystem or cfg.run_dir != cfg.output_dir
+        self.plumbing = plumbing
         self.rank = plumbing.process_index
         self.profiler = None
         self.step_span = None
@@ -84,7 +95,7 @@ class ProfilerWindow:
             self.step_span.__exit__(None, None, None)
             self.last_recorded = step
             if step >= self.window[1]:
-                self.close()
+                self.close(every_rank=True)
                 return
             self.step_span = torch.profiler.record_function(f"train step {step + 1}")
             self.step_span.__enter__()
@@ -97,29 +108,99 @@ class ProfilerWindow:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             start_memory_history()
         self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-        self.profiler.__enter__()
+        with self.output_to_log():  # Kineto's line at its start
+            self.profiler.__enter__()
         self.first_recorded = first_step
         self.last_recorded = first_step - 1
         self.step_span = torch.profiler.record_function(f"train step {first_step}")
         self.step_span.__enter__()
         atexit.register(self.close)  # a run stopped inside the window keeps what it recorded
 
-    def close(self) -> None:
-        """Write the trace (and the memory history) of the steps recorded. Idempotent."""
+    def close(self, every_rank: bool = False) -> None:
+        """Write the trace (and the memory history) of the steps recorded, and say where in one line.
+        `every_rank`: all ranks close together (the window's last step, not an exit), so the line
+        counts all their files. Idempotent."""
         if self.profiler is None:
             return
         profiler, self.profiler = self.profiler, None
         if self.step_span is not None:
             self.step_span.__exit__(None, None, None)
             self.step_span = None
-        profiler.__exit__(None, None, None)
-        self.folder.mkdir(parents=True, exist_ok=True)
         name = f"rank{self.rank}.steps_{self.first_recorded}-{self.last_recorded}"
-        profiler.export_chrome_trace(str(self.folder / f"{name}.pt.trace.json"))
+        written = [self.folder / f"{name}.pt.trace.json"]
+        with self.output_to_log():  # Kineto's lines at its stop and while the trace is exported
+            profiler.__exit__(None, None, None)
+            profiler.export_chrome_trace(str(written[0]))
         if torch.cuda.is_available():
-            torch.cuda.memory._dump_snapshot(str(self.folder / f"{name}.memory.pickle"))
+            written.append(self.folder / f"{name}.memory.pickle")
+            torch.cuda.memory._dump_snapshot(str(written[-1]))
             if not self.keep_memory_history:
                 torch.cuda.memory._record_memory_history(enabled=None)
+        self.say_written(written, every_rank)
+
+    def say_written(self, written: list[Path], every_rank: bool) -> None:
+        """The main process's line: where the traces are, how many files and bytes (every rank's when
+        `every_rank`: a collective, which also waits for the slowest rank's files)."""
+        files = len(written)
+        size = sum(path.stat().st_size for path in written)
+        ranks = self.plumbing.num_processes if every_rank else 1
+        if ranks > 1:
+            mine = torch.tensor([files, size], dtype=torch.int64, device=self.plumbing.device)
+            files, size = self.plumbing.reduce(mine, "sum").tolist()
+        if not self.plumbing.is_main_process:
+            return
+        prefix = f"rank{self.rank}."
+        if ranks > 1:
+            prefix = f"rank{{0..{ranks - 1}}}."
+        # the same names on every rank but for the rank's number
+        names = [prefix + path.name.split(".", 1)[1] for path in [*written, self.log_file]]
+        where = f"{self.folder} on each node" if self.on_each_node else str(self.folder)
+        line = f"profile: steps {self.first_recorded}-{self.last_recorded} traced in {where} "
+        noun = "file" if files == 1 else "files"
+        line += f"({files} {noun}, {readable_size(size)}: {', '.join(names[:-1])}"
+        if self.plumbing.num_processes > ranks:  # at exit: the other ranks write their own
+            line += ", and each other rank's"
+        tqdm.write(f"{line}; the profiler's own messages: {names[-1]})")
+
+    @property
+    def log_file(self) -> Path:
+        return self.folder / f"rank{self.rank}.profiler.log"
+
+    @contextmanager
+    def output_to_log(self):
+        """Whatever the process prints meanwhile goes to this rank's profiler.log: Kineto (the
+        profiler's C++ side) writes to file descriptor 2 itself, past sys.stderr, so the descriptors are
+        redirected. Python's and C's buffers are flushed on both sides, so no console line is lost or
+        lands out of order."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        flush_all()
+        kept = {fd: os.dup(fd) for fd in (1, 2)}
+        try:
+            with open(self.log_file, "ab") as log:
+                for fd in kept:
+                    os.dup2(log.fileno(), fd)
+                yield
+        finally:
+            flush_all()
+            for fd, copy in kept.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
+def flush_all() -> None:
+    """Python's stdout and stderr, then C's stdio buffers (fflush(NULL)): what was written so far
+    goes where its descriptor points now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ctypes.CDLL(None).fflush(None)
+
+
+def readable_size(size: int) -> str:
+    """Bytes as a person reads them: 1.2 MB, 830.0 kB (decimal units, as ls -h --si)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 def start_memory_history() -> None:

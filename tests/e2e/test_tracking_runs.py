@@ -1,6 +1,7 @@
 """Trackers end to end: W&B offline from 2 processes, run continuity on resume, TensorBoard, fallbacks, plots."""
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from conftest import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from test_profiling import said_size  # noqa: E402
 from wandb_reader import read_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -103,6 +105,16 @@ def test_a_two_process_run_reports_to_wandb_offline_tensorboard_its_restart_repo
         for step in (3, 4):
             inside = {op["name"] for op in ops if spans[step][0] <= op["ts"] <= spans[step][1]}
             assert {"aten::embedding", "EmbeddingBackward0"} <= inside, (rank, step)
+    # what a person sees of the window: one line naming both ranks' traces and their size on disk; the
+    # profiler's own lines (Kineto's USDT:) in each rank's log
+    assert "USDT" not in result.output
+    (said,) = [line for line in result.output.splitlines() if line.startswith("profile: ")]
+    assert f"traced in {out / 'profile'} (2 files, " in said, said
+    assert "rank{0..1}.steps_3-4.pt.trace.json" in said, said
+    files, size, rounding = said_size(said)
+    traces = list((out / "profile").glob("*.pt.trace.json"))
+    assert files == len(traces) == 2
+    assert abs(size - sum(os.path.getsize(trace) for trace in traces)) <= rounding, said
     assert_no_secrets(out)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
