@@ -49,6 +49,7 @@ import fcntl
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -250,6 +251,8 @@ class Sweep:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name = args.study_name or self.dir.resolve().name
         self.poll_s = args.poll_s
+        # the driver's own command, which carries the sweep on when started again
+        self.again = shlex.join(["python", sys.argv[0], *args.argv])
         self.space, self.command = settled(self.dir, args)
         storage = args.storage or f"sqlite:///{self.dir.resolve() / 'study.db'}"
         self.study = optuna.create_study(
@@ -416,8 +419,7 @@ class Sweep:
 
     def stopped(self) -> int:
         say(
-            f"stopped on {self.stop_signal}: the running trial checkpointed; start the driver again "
-            "to go on"
+            f"stopped on {self.stop_signal}: the running trial checkpointed; go on with: {self.again}"
         )
         return INTERRUPTED_EXIT_CODE if self.stop_signal == "SIGINT" else PREEMPTED_EXIT_CODE
 
@@ -650,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if args.trials < 1:
             raise SweepError(f"--trials must be >= 1 (got {args.trials})")

@@ -4,6 +4,7 @@ restart, the summary. Real runs of the template, killed and resumed bitwise: tes
 
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -107,11 +108,15 @@ def test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes(
 
     threading.Thread(target=preempt_the_driver, daemon=True).start()
     assert sweep_script().main(argv) == 75
-    assert "stopped on SIGTERM" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "stopped on SIGTERM: the running trial checkpointed; go on with: python " in said
+    # the command it prints, pasted, carries the sweep on: the driver's own
+    go_on = shlex.split(said.split("go on with: ")[1].splitlines()[0])
+    assert go_on[2:] == argv
     assert [t.state.name for t in trials_of(sweep_dir)] == ["RUNNING"]
     assert (first / "preempted.json").exists()  # the trial got it, and checkpointed
     # started again: the interrupted trial resumes (--resume latest), then the sweep goes on
-    assert sweep_script().main(argv) == 0
+    assert sweep_script().main(go_on[2:]) == 0
     assert "trial 0: resuming from its last checkpoint" in capsys.readouterr().out
     assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE", "COMPLETE"]
     again = launches(first)

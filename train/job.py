@@ -30,6 +30,7 @@ from hangs import explain as explain_hang
 from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
 from profiling import profile_window, start_clock, write_oom_snapshot
+from provenance import relaunch_command
 from resume import check_same_run, check_sources
 from run_folder import RUNS_ROOT, RunFolder, held_run_folder, numbered_run, run_numbers, step_of
 from stopping import Preempted, StopSignals, stop_signals
@@ -219,7 +220,7 @@ def stopped_before_training(cfg, plumbing) -> int:
         checkpoint = None if newest is None else str(newest)
         folder.mark_for_requeue(step, stop_signals.signal_name, checkpoint)
     said = f"stopped during start-up on {stop_signals.signal_name}: nothing trained yet; "
-    said += "start again with --resume latest"
+    said += f"start again with: {relaunch_command(*sys.argv[1:])}"
     print(said, file=sys.stderr)  # noqa: T201 - the job's one line
     return stop_signals.exit_code
 

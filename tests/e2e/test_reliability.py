@@ -6,6 +6,7 @@ checkpoint, the default run folder, and elastic restarts by the launchers.
 """
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,9 @@ def test_sigterm_during_start_up_is_a_clean_preemption(tmp_path, corpus):
     assert (
         "stopped during start-up on SIGTERM" in stopped.output and "Traceback" not in stopped.output
     )
+    # the same command again, as it can be pasted
+    again = shlex.join(["python", str(FAULTY_MAIN), *map(str, args)])
+    assert f"nothing trained yet; start again with: {again}" in stopped.output
     marker = json.loads((run_dir / "preempted.json").read_text())
     assert marker["step"] == 6 and marker["checkpoint"].endswith("step_00000006")
     # under a launcher, every rank gets the signal while the datasets are prepared
