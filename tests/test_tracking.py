@@ -1,15 +1,20 @@
-"""Tracking pieces in-process: the FLOPs-per-token formula, the peak table, the logger's no-op mode."""
+"""Tracking pieces in-process: the FLOPs-per-token formula, the peak table, the logger's no-op mode; and
+what a run in a terminal shows last."""
 
 import importlib.util
 import json
+import os
+import select
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from blocks import flops_per_token
 from config import config_class
-from conftest import REPO
+from conftest import MAIN, REPO, base_env, tiny_args
 from model import build_model
 from torch_ddp import TorchDDP
 from tracking import MetricsLogger, Throughput, peak_flops_per_gpu, wandb_init_kwargs
@@ -181,8 +186,23 @@ def test_the_console_line_says_what_a_person_watches_and_metrics_jsonl_keeps_the
     assert watched(evaluation) == {
         "eval_loss": 0.5,
         "eval_accuracy": 0.9,
-        "+": "2 per class or source in metrics.jsonl",
+        "+": "2 per class in metrics.jsonl",
     }
+    # a mixture of two sources (one named with a slash), each with its loss and accuracy: per source
+    mixture = {"eval_loss": 2.0, "eval_accuracy": 0.3}
+    for source in ("code", "web/en"):
+        mixture |= {f"eval_loss/{source}": 2.0, f"eval_accuracy/{source}": 0.3}
+    assert watched(mixture) == {
+        "eval_loss": 2.0,
+        "eval_accuracy": 0.3,
+        "+": "4 per source in metrics.jsonl",
+    }
+    # a classifier's mixture: each class overall, and each source's metrics with its own classes
+    both = {**evaluation, "eval_loss/a": 0.4, "eval_accuracy/a": 0.9, "eval_accuracy/cat/a": 1.0}
+    assert watched(both)["+"] == "3 per source, 2 per class in metrics.jsonl"
+    # lm-evaluation-harness scores are what the row is for: said, not counted away
+    scores = {"lm_eval/hellaswag/acc": 0.31, "lm_eval/arc_easy/acc": 0.42}
+    assert watched(scores) == scores
     info = {"output_dir": "runs/run_001", "torch": "2.13.0", "cuda": None, "processes": 2}
     info |= {"train_samples": 88, "tokens_per_sample": None, "augmentation": "flips"}
     assert run_info_lines(info) == [
@@ -260,3 +280,45 @@ def test_the_plot_draws_what_the_task_reports_a_classifiers_accuracy_f1_and_clas
     out = tmp_path / "curves.png"
     plot_metrics.plot({"run": rows}, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def in_a_terminal(cmd: list[str], env: dict, timeout: float = 240) -> str:
+    """Everything `cmd` wrote to a pseudo-terminal 120 columns wide (stdout and stderr both), as a person's
+    terminal receives it: tqdm's bar shows only on a terminal."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=env, cwd=REPO
+    )
+    os.close(follower)
+    received = b""
+    try:
+        while select.select([leader], [], [], timeout)[0]:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: every writer has closed the terminal
+                break
+            if not chunk:
+                break
+            received += chunk
+    finally:
+        os.close(leader)
+        proc.kill()
+        proc.wait()
+    return received.decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_in_a_terminal_the_summary_is_the_last_thing_on_the_screen(tmp_path, corpus):
+    """The progress bar is drawn again below every line printed while it is open: closed at the last
+    step, its final state stays above the last evaluation, the checkpoint and the summary."""
+    args = tiny_args(tmp_path / "run", corpus, max_steps=6, eval_every=6, save_every=0)
+    screen = in_a_terminal([sys.executable, str(MAIN), *args], base_env(tmp_path))
+    assert "train: 100%" in screen, screen[-2000:]  # the bar was there, and finished
+    summary = screen.index("done: step 6")
+    assert screen.rindex("train: ") < summary, screen[summary - 500 :]

@@ -64,7 +64,7 @@ class MetricsLogger:
                 mininterval=1.0,
                 disable=None,
             )
-        if self.show_progress:  # this run is the requeued one (on object storage, each node's)
+            # this run is the requeued one (on object storage, each node's)
             self.folder.clear_requeue_marker()
         if not self.enabled:
             return
@@ -203,17 +203,25 @@ class MetricsLogger:
         restart report."""
         if self.bar is not None:
             self.bar.update(1)
+            if self.bar.n >= self.bar.total:  # its last step: the bar stays above what follows
+                self.close_bar()
         if self.restart is not None:
             self.report_start()
+
+    def close_bar(self) -> None:
+        """Close the progress bar: its last state is printed once, where the console is now. Every
+        line after it (the summary, a stop's line) is then the last thing on the screen: an open bar
+        is drawn again below each line tqdm.write prints. Idempotent."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
     def report_start(self) -> None:
         """The restart report (profiling.py): one metrics.jsonl row and one line, after this start's
         first step."""
         row, self.restart = self.restart, None
-        row = {
-            **start_clock.finish(row),
-            **compile_report(),
-        }  # graphs compiled, and kept ones found
+        # with the graphs compiled, and the kept ones found
+        row = {**start_clock.finish(row), **compile_report()}
         self.metrics_file.write(json.dumps(row) + "\n")
         self._to_trackers(row, row["step"])
         self.info(restart_line(row))
@@ -246,9 +254,7 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Idempotent: called at the end, on preemption, and at exit."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        self.close_bar()
         if self.metrics_file is not None:
             self.metrics_file.close()
             self.metrics_file = None
@@ -304,12 +310,13 @@ WATCHED_WITHOUT_TOKENS = ("loss", "lr", "samples_per_s")
 
 def watched(row: dict) -> dict:
     """A training row's watched fields, and anything it says that is not routine (a straggler, a
-    compile); an evaluation's overall metrics, not each class's or source's (eval_accuracy/<class>:
-    metrics.jsonl and the trackers keep them); any other row whole."""
+    compile); an evaluation's overall metrics, not each class's or source's (eval_accuracy/<class>,
+    eval_loss/<source>: metrics.jsonl and the trackers keep them), counted by kind; any other row
+    (lm-evaluation-harness scores) whole."""
     if "grad_norm" not in row:
-        said = {k: v for k, v in row.items() if "/" not in k}
+        said = {k: v for k, v in row.items() if not is_breakdown(k)}
         if len(said) < len(row):
-            said["+"] = f"{len(row) - len(said)} per class or source in metrics.jsonl"
+            said["+"] = f"{breakdown_counts(row)} in metrics.jsonl"
         return said
     fields = WATCHED if "tokens_per_s" in row else WATCHED_WITHOUT_TOKENS
     routine = {"grad_norm", "epoch", "samples_seen", "tokens_seen", "samples_per_s", "step_time_s"}
@@ -318,6 +325,22 @@ def watched(row: dict) -> dict:
     said = {k: v for k, v in row.items() if k in fields}
     said.update({k: v for k, v in row.items() if k not in routine and k not in said})
     return said
+
+
+def is_breakdown(key: str) -> bool:
+    """An eval metric of one class or one source (task.evaluate's eval_<metric>/<name>)."""
+    return key.startswith("eval_") and "/" in key
+
+
+def breakdown_counts(row: dict) -> str:
+    """What an eval row's breakdown holds, by kind: "12 per source" (a mixture's sources are the
+    names every source's eval_loss/<name> gives), "10 per class" (the rest: model.py's
+    <metric>/<class>), or both."""
+    keys = [key for key in row if is_breakdown(key)]
+    sources = {key.removeprefix("eval_loss/") for key in keys if key.startswith("eval_loss/")}
+    per_source = sum(any(key.endswith(f"/{source}") for source in sources) for key in keys)
+    kinds = [(per_source, "per source"), (len(keys) - per_source, "per class")]
+    return ", ".join(f"{count} {kind}" for count, kind in kinds if count)
 
 
 # the start-up block: one line per group of run_info.json's keys (all of them: run_info.json)
