@@ -586,12 +586,26 @@ def error_line(log_path: Path) -> str:
 
 
 def plot(trials, objective: str, direction: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = drawing(trials, objective, direction)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def drawing(trials, objective: str, direction: str):
+    """objective.png's figure: each complete trial's objective and the best so far, and every trial's
+    eval curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, (by_trial, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # trial numbers and steps are whole: no tick at trial 0.5
+    by_trial.xaxis.set_major_locator(MaxNLocator(integer=True))
+    curves.xaxis.set_major_locator(MaxNLocator(integer=True))
     done = [(t.number, t.value) for t in trials if t.value is not None]
     if done:
         pick = min if direction == "minimize" else max
@@ -617,8 +631,7 @@ def plot(trials, objective: str, direction: str, path: Path) -> None:
     if len(trials) <= 12:
         curves.legend(fontsize="small")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    return figure
 
 
 def say(line: str) -> None:
