@@ -71,8 +71,8 @@ def run_variant(variant: str, shape: dict, steps: int) -> dict:
     import torch
 
     from blocks import transformer_blocks
-    from config import config_class
     from model import build_model
+    from run_config import config_class
 
     RunConfig = config_class()
 

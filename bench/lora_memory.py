@@ -30,8 +30,8 @@ def measure(args) -> dict:
 
     import checkpoint
     import task
-    from config import config_class
     from optim import build_optimizer
+    from run_config import config_class
     from torch_ddp import TorchDDP
 
     cfg = config_class()(

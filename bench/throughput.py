@@ -293,9 +293,9 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     import streaming
     import torch_ddp
     from blocks import flops_per_token
-    from config import load_config
     from model import build_model
     from plumbing import init_process_group
+    from run_config import load_config
     from tracking import peak_flops_per_gpu
 
     cfg = load_config(train_args)
@@ -694,7 +694,7 @@ import sys, time, torch, datasets
 from accelerate import Accelerator
 sys.path.insert(0, {train!r})
 from model import build_model
-from config import config_class
+from run_config import config_class
 cfg = config_class()(block_size={block_size}, n_layer={n_layer}, n_head={n_head}, n_embd={n_embd})
 accelerator = Accelerator(cpu=not torch.cuda.is_available())
 def encode(batch):  # no closure: datasets caches the result by the function's hash, as it does the template's
@@ -717,7 +717,7 @@ if accelerator.is_main_process:
 def measure_startup(train_args: list[str], launches: int) -> dict:
     """Seconds from the launch command to the first optimizer step (the first metrics row; the minimal script's
     marker file), 2 processes, each launch alone on the machine; the median of `launches`."""
-    from config import load_config
+    from run_config import load_config
 
     cfg = load_config(train_args)
     dataset = (

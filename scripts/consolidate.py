@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 from adapters import trainable_weights  # noqa: E402
 from checkpoint import save_safetensors  # noqa: E402
-from config import saved_config  # noqa: E402
+from run_config import saved_config  # noqa: E402
 from task import training_model  # noqa: E402 - model.py's, through the seam
 
 

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 import harness  # noqa: E402
-from config import saved_config  # noqa: E402
 from errors import ConfigError  # noqa: E402
+from run_config import saved_config  # noqa: E402
 from task import build_model  # noqa: E402 - model.py's, through the seam
 from tracking import wandb_init_kwargs  # noqa: E402
 

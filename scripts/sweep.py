@@ -62,8 +62,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "train"))
 
-from config import coerce, config_class, unknown_key_hint  # noqa: E402 - the run's keys, the fork's too
 from errors import ConfigError  # noqa: E402
+from run_config import coerce, config_class, unknown_key_hint  # noqa: E402 - the run's keys, the fork's too
 
 SPACE_KEYS = {"objective", "direction", "parameters", "sampler", "seed", "pruner"}
 RANGE_KEYS = {"low", "high", "log", "step"}

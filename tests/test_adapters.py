@@ -10,10 +10,10 @@ import torch
 import checkpoint
 import task
 from adapters import trainable_weights
-from config import config_class
 from errors import ConfigError
 from job import load_checked_config
 from optim import build_optimizer
+from run_config import config_class
 from torch_ddp import TorchDDP
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys

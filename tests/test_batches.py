@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import batches
-from config import config_class
+from run_config import config_class
 from torch_ddp import RankBatches, TorchDDP
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys

@@ -16,10 +16,10 @@ import resume as resuming
 import saving
 from batches import EpochSampler, TrainBatches
 from checkpoint import TrainState
-from config import config_class
 from errors import CheckpointError, ConfigError, RunError
 from model import build_model
 from optim import build_optimizer
+from run_config import config_class
 from run_folder import RunFolder
 from torch_ddp import TorchDDP
 

@@ -6,10 +6,11 @@ import time
 
 import pytest
 
-from config import TrainConfig, config_class, load_config
+from config import TrainConfig
 from conftest import REPO, base_env, free_port, run, run_python
 from errors import ConfigError
 from job import load_checked_config
+from run_config import config_class, load_config
 
 RunConfig = config_class()
 
@@ -181,7 +182,7 @@ def test_the_forks_own_keys_join_the_templates_in_yaml_flags_help_and_checks(tmp
     import types
     from typing import ClassVar
 
-    import config
+    import run_config
     import task
 
     @dataclasses.dataclass
@@ -200,7 +201,7 @@ def test_the_forks_own_keys_join_the_templates_in_yaml_flags_help_and_checks(tmp
     fork_data = types.ModuleType("data")
     fork_data.DataConfig = DataConfig
     monkeypatch.setattr(task, "fork_file", {"model": fork_model, "data": fork_data}.get)
-    config.config_class.cache_clear()
+    run_config.config_class.cache_clear()
     try:
         yaml_file = tmp_path / "run.yaml"
         yaml_file.write_text("hidden_width: 64\nlr: 0.01\n")
@@ -213,7 +214,7 @@ def test_the_forks_own_keys_join_the_templates_in_yaml_flags_help_and_checks(tmp
             ConfigError, match=r"^unknown key 'n_embd' \(renamed hidden_width: the hidden layer's"
         ):
             load_config(["--n_embd", "64"])
-        help_text = config.usage()
+        help_text = run_config.usage()
         assert "train/model.py's ModelConfig:" in help_text
         assert re.search(
             r"--hidden_width\s+int\s+default 128\s+width of the hidden layer", help_text
@@ -226,13 +227,13 @@ def test_the_forks_own_keys_join_the_templates_in_yaml_flags_help_and_checks(tmp
             lr: float = 1.0
 
         fork_data.DataConfig = Clashing
-        config.config_class.cache_clear()
+        run_config.config_class.cache_clear()
         with pytest.raises(
             ConfigError, match=r"^train/data.py's Clashing: key 'lr' is already TrainConfig's"
         ):
             load_config([])
     finally:
-        config.config_class.cache_clear()
+        run_config.config_class.cache_clear()
 
 
 def test_a_path_typo_that_looks_like_a_hub_name_fails_at_once(tmp_path, monkeypatch):
@@ -266,11 +267,12 @@ def test_help_names_the_script_and_shows_whole_comments(tmp_path, script):
 
 
 def test_config_reads_no_data_or_hub(tmp_path):
-    """config.py checks types and ranges only: loading a config imports neither datasets nor transformers (what
-    needs them is checked by job.load_checked_config, still before any process group). It reads the fork's files
-    for their own keys (model.py's ModelConfig, data.py's DataConfig), which import neither at module level."""
+    """Loading a config (run_config.py; config.py's checks of types and ranges) imports neither datasets nor
+    transformers (what needs them is checked by job.load_checked_config, still before any process group). It
+    reads the fork's files for their own keys (model.py's ModelConfig, data.py's DataConfig), which import
+    neither at module level."""
     probe = (
-        "import sys; sys.path.insert(0, 'train'); from config import load_config; "
+        "import sys; sys.path.insert(0, 'train'); from run_config import load_config; "
         "load_config(['--hf_model', 'someone/some-model', '--dataset', 'someone/some-data']); "
         "print(sorted(m for m in ('datasets', 'transformers') if m in sys.modules))"
     )
@@ -393,7 +395,6 @@ REFUSED = [
             ("max_steps", "0"),
             ("batch_size", "0"),
             ("grad_accum_steps", "0"),
-            ("block_size", "0"),
             ("log_every", "0"),
             ("eval_every", "0"),
             ("keep_last", "0"),
@@ -453,7 +454,6 @@ REFUSED = [
         "num_workers must be 0 with streaming (the stream is read in the training process, where its "
         "position is saved) (got 2)",
     ),
-    (["--text_column", ""], "text_column must not be empty (got '')"),
     (["--dataset_split", ""], "dataset_split must not be empty (got '')"),
     (
         ["--optimizer", "muon", "--fsdp", "hybrid"],
@@ -470,6 +470,26 @@ REFUSED = [
 def test_every_check_refuses_with_its_whole_line(argv, line):
     with pytest.raises(ConfigError) as error:
         load_config(argv)
+    assert str(error.value) == line
+
+
+@pytest.mark.shipped  # the shipped data.py's own keys, checked by its check_config
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--block_size", "0"], "block_size must be > 0 (got 0)"),
+        (["--text_column", ""], "text_column must not be empty (got '')"),
+    ],
+)
+def test_the_shipped_data_keys_are_checked_in_data_py(argv, line):
+    import data
+
+    data.check_config(load_config(["--block_size", "1"]))  # the edge, accepted
+    with pytest.raises(ConfigError) as error:
+        data.check_config(load_config(argv))
+    assert str(error.value) == line
+    with pytest.raises(ConfigError) as error:  # through the start-up checks, as a run meets it
+        load_checked_config(argv)
     assert str(error.value) == line
 
 
@@ -544,7 +564,7 @@ def test_trackers_global_batch_and_the_warmup_horizon():
     ],
 )
 def test_coerce_turns_yaml_and_flag_values_into_the_keys_type(raw, type_name, value):
-    from config import coerce
+    from run_config import coerce
 
     coerced = coerce("key", raw, type_name)
     assert coerced == value and type(coerced) is type(value)
@@ -562,7 +582,7 @@ def test_coerce_turns_yaml_and_flag_values_into_the_keys_type(raw, type_name, va
     ],
 )
 def test_coerce_refuses_with_one_line(raw, type_name, line):
-    from config import coerce
+    from run_config import coerce
 
     with pytest.raises(ConfigError) as error:
         coerce("key", raw, type_name)
@@ -570,7 +590,7 @@ def test_coerce_refuses_with_one_line(raw, type_name, line):
 
 
 def test_the_dataset_key_is_parsed_into_its_sources():
-    from config import coerce
+    from run_config import coerce
     from sources import Source
 
     assert coerce("dataset", "a.jsonl:1,b.jsonl:3", "str") == (
@@ -635,7 +655,7 @@ def test_bad_yaml_files_are_their_whole_line(tmp_path):
 
 
 def test_saved_config_reads_what_a_run_wrote_and_leaves_out_unknown_keys(tmp_path):
-    from config import saved_config
+    from run_config import saved_config
     from sources import Source
 
     saved = tmp_path / "config.yaml"
@@ -654,15 +674,15 @@ def test_usage_names_the_script_and_shows_each_keys_line(monkeypatch):
     file's heading after a blank line, a key without a comment shown without one."""
     import dataclasses
 
-    import config
+    import run_config
 
     monkeypatch.setattr(sys, "argv", [str(REPO / "scripts" / "x.py")])
     monkeypatch.chdir(REPO)
-    lines = config.usage().split("\n")
+    lines = run_config.usage().split("\n")
     assert lines[0] == "usage: scripts/x.py [--config FILE.yaml] [--key value ...]"
     assert lines[1] == ""
     monkeypatch.setattr(sys, "argv", ["/usr/bin/accelerate"])
-    assert config.usage().startswith("usage: train/main.py [--config FILE.yaml]")
+    assert run_config.usage().startswith("usage: train/main.py [--config FILE.yaml]")
     timeout = next(line for line in lines if line.startswith("  --upload_timeout_s"))
     assert timeout.split(maxsplit=4)[1:] == [
         "int",
@@ -677,8 +697,8 @@ def test_usage_names_the_script_and_shows_each_keys_line(monkeypatch):
     class ModelConfig:
         width: int = 8
 
-    monkeypatch.setattr(config, "fork_settings", lambda: {"model": ModelConfig})
-    lines = config.usage().split("\n")
+    monkeypatch.setattr(run_config, "fork_settings", lambda: {"model": ModelConfig})
+    lines = run_config.usage().split("\n")
     heading = lines.index("  train/model.py's ModelConfig:")
     assert (
         lines[heading - 1] == ""
@@ -689,7 +709,7 @@ def test_usage_names_the_script_and_shows_each_keys_line(monkeypatch):
 def test_a_type_without_a_name_is_shown_as_written():
     import dataclasses
 
-    from config import type_name_of
+    from run_config import type_name_of
 
     @dataclasses.dataclass
     class Declared:
@@ -711,26 +731,26 @@ def test_a_resume_starts_from_the_runs_own_config_then_the_file_then_the_flags(
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    saved = {"block_size": 32, "lr": 0.002, "max_steps": 50, "resume": "", "init_from": "gone"}
+    saved = {"batch_size": 32, "lr": 0.002, "max_steps": 50, "resume": "", "init_from": "gone"}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     resumed = load_config(["--output_dir", str(run_dir), "--resume", "latest"])
-    assert (resumed.block_size, resumed.lr, resumed.max_steps) == (32, 0.002, 50)
+    assert (resumed.batch_size, resumed.lr, resumed.max_steps) == (32, 0.002, 50)
     # how this start resumes is its own command's: never the saved resume or init_from
     assert (resumed.resume, resumed.init_from) == ("latest", "")
     preset = tmp_path / "preset.yaml"
     preset.write_text("lr: 0.005\n")
     argv = ["--output_dir", str(run_dir), "--resume", "latest", "--config", str(preset)]
     layered = load_config([*argv, "--max_steps", "80"])
-    assert (layered.block_size, layered.lr, layered.max_steps) == (32, 0.005, 80)
+    assert (layered.batch_size, layered.lr, layered.max_steps) == (32, 0.005, 80)
     # no resume: the run's config is not read
-    assert load_config(["--output_dir", str(run_dir)]).block_size == RunConfig().block_size
+    assert load_config(["--output_dir", str(run_dir)]).batch_size == RunConfig().batch_size
     # without --output_dir, the newest numbered run's
     monkeypatch.chdir(tmp_path)
-    for number, block_size in ((1, 16), (12, 24), (3, 48)):
+    for number, batch_size in ((1, 16), (12, 24), (3, 48)):
         folder = tmp_path / "runs" / f"run_{number:03d}"
         folder.mkdir(parents=True)
-        (folder / "config.yaml").write_text(yaml.safe_dump({"block_size": block_size}))
-    assert load_config(["--resume", "latest"]).block_size == 24
+        (folder / "config.yaml").write_text(yaml.safe_dump({"batch_size": batch_size}))
+    assert load_config(["--resume", "latest"]).batch_size == 24
     # a key the run saved that this template does not know names the run's file
     (run_dir / "config.yaml").write_text("n_layers: 2\n")
     with pytest.raises(ConfigError) as refused:
@@ -745,27 +765,30 @@ def test_a_resume_starts_from_the_runs_own_config_then_the_file_then_the_flags(
 def test_the_shipped_model_keys_config_names_are_the_shipped_model_py_s(capsys):
     import dataclasses
 
-    import config
+    import data
     import model
+    import run_config
 
-    declared = tuple(field.name for field in dataclasses.fields(model.ModelConfig))
-    assert config.SHIPPED_MODEL_KEYS == declared
+    for module in (model, data):
+        settings = getattr(module, run_config.SETTINGS[module.__name__])
+        declared = tuple(field.name for field in dataclasses.fields(settings))
+        assert run_config.SHIPPED_KEYS[module.__name__] == declared
     # the shipped model.py declares them: the section applies
     debug = load_config(["--config", str(REPO / "train" / "configs" / "debug.yaml")])
-    assert (debug.n_layer, debug.n_head, debug.n_embd) == (1, 2, 32)
+    assert (debug.n_layer, debug.n_head, debug.n_embd, debug.block_size) == (1, 2, 32, 64)
     assert capsys.readouterr().err == ""
 
 
 def test_every_preset_loads_after_a_fork_and_a_gpt_key_elsewhere_is_named(
     tmp_path, monkeypatch, capsys
 ):
-    """After `cp examples/<any>/*.py train/`, each shipped preset loads: its `gpt:` section (the
-    shipped GPT's sizes) is left out in one note naming the file and the keys; the same key outside
+    """After `cp examples/<any>/*.py train/`, each shipped preset loads: its `lm:` section (the
+    shipped causal LM's keys) is left out in one note naming the file and the keys; the same key outside
     the section is refused naming its file and whose key it is."""
     import dataclasses
     import types
 
-    import config
+    import run_config
     import task
 
     @dataclasses.dataclass
@@ -777,28 +800,39 @@ def test_every_preset_loads_after_a_fork_and_a_gpt_key_elsewhere_is_named(
     fork_model.ModelConfig = ModelConfig
     monkeypatch.setattr(task, "fork_file", {"model": fork_model, "data": None}.get)
     monkeypatch.delenv("RANK", raising=False)
-    config.config_class.cache_clear()
+    run_config.config_class.cache_clear()
     try:
         for preset in sorted((REPO / "train" / "configs").glob("*.yaml")):
             cfg = load_config(["--config", str(preset)])
             assert not hasattr(cfg, "n_layer")
+            assert not hasattr(cfg, "block_size")
             note = capsys.readouterr().err.strip()
-            assert note.startswith(f"note: {preset}'s gpt: section (n_layer, n_head, n_embd")
+            assert note.startswith(
+                f"note: {preset}'s lm: section (block_size, n_layer, n_head, n_embd"
+            )
             assert note.endswith(
-                "this train/model.py does not declare those keys, so they are left out"
+                "is the shipped causal LM's; this train/model.py and data.py do not declare those "
+                "keys, so they are left out"
             )
             assert len(note.splitlines()) == 1
         mine = tmp_path / "mine.yaml"
         mine.write_text("n_layer: 2\nlr: 0.01\n")
         with pytest.raises(ConfigError) as refused:
             load_config(["--config", str(mine)])
-        assert str(refused.value).startswith(
-            f"unknown key 'n_layer' in {mine}: a key of the shipped GPT (train/model.py's ModelConfig"
+        assert str(refused.value) == (
+            f"unknown key 'n_layer' in {mine}: a key of the shipped causal LM (train/model.py's "
+            "ModelConfig as the template ships it), which this train/model.py does not declare (a "
+            "preset keeps such keys in its lm: section)"
         )
-        # a key in the section that is no GPT key is a typo, refused like any other
-        mine.write_text("gpt:\n  n_layers: 2\n")
+        with pytest.raises(ConfigError) as refused:
+            load_config(["--block_size", "64"])
+        assert str(refused.value).startswith(
+            "unknown key 'block_size': a key of the shipped causal LM (train/data.py's DataConfig"
+        )
+        # a key in the section that is no key of the shipped LM is a typo, refused like any other
+        mine.write_text("lm:\n  n_layers: 2\n")
         with pytest.raises(ConfigError) as refused:
             load_config(["--config", str(mine)])
         assert str(refused.value) == f"unknown key 'n_layers' in {mine}"
     finally:
-        config.config_class.cache_clear()
+        run_config.config_class.cache_clear()

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import data
-from config import config_class
 from conftest import REPO, SESSION_HF_HOME, run_python, write_corpus
 from errors import ConfigError
+from run_config import config_class
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 

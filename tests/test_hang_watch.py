@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 import hangs
-from config import config_class
+from run_config import config_class
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import harness
-from config import config_class
 from conftest import REPO
 from errors import ConfigError
 from model import build_model
+from run_config import config_class
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 

@@ -16,11 +16,11 @@ from transformers import AutoTokenizer
 import data
 import lm
 from checkpoint import save_safetensors
-from config import config_class, load_config
 from conftest import REPO, run_python, save_tiny_llama
 from errors import ConfigError
 from job import load_checked_config
 from model import build_model
+from run_config import config_class, load_config
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 

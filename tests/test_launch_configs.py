@@ -6,9 +6,9 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.launch import prepare_multi_gpu_env
 
-from config import config_class
 from conftest import NEEDS_BLOCKS, REPO, model_declares_blocks
 from model import build_model
+from run_config import config_class
 
 RunConfig = config_class()
 

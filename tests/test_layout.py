@@ -76,8 +76,10 @@ def test_main_imports_from_few_modules():
 
 def test_the_error_vocabulary_and_the_config_import_nothing_of_the_template_above_them():
     assert imports_of("errors") == {}
-    # config.py reads the fork's own keys through the seam, which imports nothing above it
-    assert set(imports_of("config")) == {"errors", "sources", "task", "run_folder"}
+    # config.py, the template's keys, imports nothing of the fork's: run_config.py joins the fork's own
+    # keys to them through the seam, which imports nothing above it
+    assert set(imports_of("config")) == {"errors", "sources", "run_folder"}
+    assert set(imports_of("run_config")) == {"config", "errors", "sources", "task", "run_folder"}
     assert set(imports_of("run_folder")) == {"errors"}
     assert set(imports_of("task")) == {"errors", "blocks", "buffers", "adapters"}
     assert set(imports_of("adapters")) == {"errors", "blocks"}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from blocks import checkpoint_activations
-from config import config_class
 from errors import ConfigError
 from lm import causal_lm_loss, token_columns, token_metrics
+from run_config import config_class
 from task import check_loss_contract
 
 RunConfig = config_class()

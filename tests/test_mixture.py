@@ -10,9 +10,9 @@ import torch
 
 import data
 from batches import data_identity, data_order, fast_reader
-from config import config_class, load_config
 from errors import ConfigError
 from mixture import Concatenation, MixtureSampler, apportion, build_data, spread
+from run_config import config_class, load_config
 from sources import Source, describe, parse_dataset
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys

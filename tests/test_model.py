@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from blocks import checkpoint_activations
-from config import config_class
 from lm import BYTE_VOCAB_SIZE as VOCAB_SIZE
 from lm import causal_lm_loss, counted_targets
 from model import build_model
+from run_config import config_class
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 

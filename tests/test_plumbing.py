@@ -10,9 +10,9 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from config import config_class
 from conftest import REPO
 from plumbing import Plumbing
+from run_config import config_class
 from torch_ddp import Autocast, ShardedLoader, TorchDDP
 
 RunConfig = config_class()

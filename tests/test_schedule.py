@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from config import config_class
 from model import build_model
 from optim import build_optimizer, lr_at, set_lr
+from run_config import config_class
 
 RunConfig = config_class()
 

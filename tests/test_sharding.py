@@ -17,12 +17,12 @@ import resume as resuming
 import saving
 from blocks import checkpoint_activations, transformer_blocks
 from checkpoint import TrainState
-from config import config_class
 from conftest import NEEDS_BLOCKS, REPO, free_port, model_declares_blocks
 from errors import CheckpointError, ConfigError
 from model import build_model
 from optim import build_optimizer
 from plumbing import build_accelerator
+from run_config import config_class
 from sharding import fsdp_setting
 from torch_ddp import TorchDDP
 

@@ -14,8 +14,8 @@ import torch
 
 import storage
 from checkpoint import MANIFEST
-from config import config_class
 from errors import CheckpointError, ConfigError, RunError
+from run_config import config_class
 from run_folder import RunFolder
 from saving import Checkpointer
 from test_checkpoint import Job, Log, same_tensors

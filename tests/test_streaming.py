@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import data
-from config import load_config
 from conftest import write_corpus
 from data import build_datasets
 from errors import ConfigError
+from run_config import load_config
 from streaming import DOCUMENTS_PER_READ, StreamBatches
 
 

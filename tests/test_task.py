@@ -14,8 +14,8 @@ from PIL import Image
 
 import task
 from batches import content_digest
-from config import config_class
 from errors import ConfigError
+from run_config import config_class
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from blocks import flops_per_token
-from config import config_class
 from conftest import MAIN, REPO, base_env, tiny_args
 from model import build_model
+from run_config import config_class
 from torch_ddp import TorchDDP
 from tracking import MetricsLogger, Throughput, peak_flops_per_gpu, wandb_init_kwargs
 

@@ -455,7 +455,8 @@ def run_geometry(plumbing, cfg) -> dict:
         "batch_size": cfg.batch_size,
         "grad_accum_steps": cfg.grad_accum_steps,
         "global_batch": cfg.global_batch(plumbing.num_processes),
-        "block_size": cfg.block_size,
+        # the shipped LM's data key; None for a fork whose data.py declares none
+        "block_size": getattr(cfg, "block_size", None),
         "optimizer": cfg.optimizer,
         # 0: every weight trains and is saved; else only LoRA adapters of this rank (adapters.py)
         "lora_r": cfg.lora_r,

@@ -103,10 +103,12 @@ def check_model_and_tokenizer(cfg) -> None:
             f"tokenizer has {tokens} tokens, more than the {embedded} that model '{cfg.hf_model}' embeds "
             f"(got {cfg.tokenizer_name!r})"
         )
-    positions = getattr(model_config, "max_position_embeddings", None) or cfg.block_size
-    if cfg.block_size > positions:
+    # the shipped LM's data key (a fork's data.py may declare none)
+    block_size = getattr(cfg, "block_size", None)
+    positions = getattr(model_config, "max_position_embeddings", None) or block_size
+    if block_size and block_size > positions:
         raise ConfigError(
-            f"block_size must be <= the model's {positions} positions (got {cfg.block_size})"
+            f"block_size must be <= the model's {positions} positions (got {block_size})"
         )
 
 

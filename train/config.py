@@ -1,34 +1,21 @@
-"""TrainConfig: every knob of a run, typed, loadable from YAML, overridable on the command line.
+"""TrainConfig: every knob of the template's, typed, with its default, its meaning (the comment above
+it, which `--help` shows) and its checks.
 
-    python train/main.py --config train/configs/tiny.yaml --lr 3e-4 --max_steps 200
-
-Precedence: dataclass defaults < --config YAML < --key value flags. Every value's type and range is
-checked in `validate()`; what needs a file or the hub (a dataset, model or tokenizer name, a
-checkpoint to resume) is checked next by job.load_checked_config, still before any process group, port or
-output folder exists. A bad value is a ConfigError: one line naming the key (`error: ...`, exit code
-2). `--help` lists every key with the comment written next to it below. The task's own keys (the
-GPT's sizes, a classifier's image size) are declared in the fork's files, model.py's ModelConfig and
-data.py's DataConfig, and join these in `config_class()`. This module reads nothing but the YAML
-file it is given."""
+Every value's type and range is checked in `validate()`; what needs a file or the hub (a dataset,
+model or tokenizer name, a checkpoint to resume) is checked next by job.load_checked_config, still
+before any process group, port or output folder exists. A bad value is a ConfigError: one line
+naming the key (`error: ...`, exit code 2). How a run's config is put together from YAML files and
+flags, with the fork's own keys (model.py's ModelConfig, data.py's DataConfig) joined to these:
+run_config.py. This module reads no file and imports nothing of the fork's."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import functools
-import inspect
 import os
-import re
-import sys
-from dataclasses import dataclass, fields
-from pathlib import Path
-
-import yaml
+from dataclasses import dataclass
 
 from errors import ConfigError
-from run_folder import LAYOUT, RunFolder, is_url, numbered_run, run_numbers
-from sources import Source, parse_dataset
-from task import fork_settings
+from run_folder import RunFolder, is_url
+from sources import Source
 
 TRACKERS = ("none", "wandb", "tensorboard")
 
@@ -74,21 +61,18 @@ class TrainConfig:
     # W&B group, e.g. one name for the runs of a sweep
     wandb_group: str = ""
     # ---- data
-    # "python_stdlib" (offline corpus), a local file/folder, or a hub name; or a weighted mixture of
-    # several: "a.jsonl:0.7,owner/name@config:0.3", or in YAML a list of {path, weight, name, config,
-    # split, text_column} (docs/data.md)
-    dataset: str = "python_stdlib"
+    # a local file/folder or a hub name; or a weighted mixture of several:
+    # "a.jsonl:0.7,owner/name@config:0.3", or in YAML a list of {path, weight, name, config, split,
+    # text_column} (docs/data.md). "" = data.py's own default (the shipped LM's: python_stdlib, an
+    # offline corpus), or none
+    dataset: str = ""
     # hub dataset configuration name, if it has several
     dataset_config: str = ""
     # the split to train on; eval reads the source's validation (or test) split, else holds out
     # eval_fraction of this one
     dataset_split: str = "train"
-    # the column holding the raw text
-    text_column: str = "text"
     # share of documents held out when the dataset has no validation split
     eval_fraction: float = 0.05
-    # tokens (bytes) per training sample
-    block_size: int = 128
     # DataLoader worker processes per rank; 0 loads in the training process
     num_workers: int = 0
     # read the dataset as a stream (bigger than memory or disk), packed as it is read
@@ -308,7 +292,6 @@ class TrainConfig:
         workers_ok = not (self.streaming and self.num_workers)
         why = "must be 0 with streaming (the stream is read in the training process, where its position is saved)"
         _require("num_workers", workers_ok, why, self.num_workers)
-        _require("text_column", self.text_column != "", "must not be empty", self.text_column)
         _require("dataset_split", self.dataset_split != "", "must not be empty", self.dataset_split)
         if self.optimizer == "muon" and self.fsdp != "no":
             raise ConfigError(MUON_UNDER_FSDP)
@@ -326,7 +309,6 @@ POSITIVE = (
     "max_steps",
     "batch_size",
     "grad_accum_steps",
-    "block_size",
     "log_every",
     "eval_every",
     "keep_last",
@@ -367,15 +349,6 @@ CHOICES = {
 }
 
 
-# keys an earlier version had, under their new names
-# the shipped GPT's own keys (train/model.py's ModelConfig as the template ships it; a test holds the two
-# equal): after a fork they are not keys, and the line that refuses one says whose they are
-SHIPPED_MODEL_KEYS = ("n_layer", "n_head", "n_embd", "dropout", "bias")
-SHIPPED_MODEL_SECTION = "gpt"  # a preset's section of them (train/configs/*.yaml)
-RENAMED = {
-    "model": "hf_model: a Hugging Face model's hub name or folder; leave it out for model.py's own"
-}
-
 MUON_UNDER_FSDP = (
     "optimizer muon cannot run under FSDP: Muon orthogonalizes each whole weight matrix, and FSDP2 "
     "gives each process a shard of it (train with DDP, or with optimizer adamw)"
@@ -393,276 +366,3 @@ def choices_problem(choices: tuple) -> str:
 def _require(key: str, ok: bool, problem: str, value) -> None:
     if not ok:
         raise ConfigError(f"{key} {problem} (got {value!r})")
-
-
-# ---------------------------------------------------------------- loading
-
-
-def load_config(argv: list[str] | None = None) -> TrainConfig:
-    """Defaults < the run's own config.yaml (a resume: --resume with the run folder it names) <
-    --config YAML < --key value flags. Raises ConfigError on any bad key or value, naming the file a
-    key came from."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "-h" in argv or "--help" in argv:
-        print(usage())  # noqa: T201 - --help is for the terminal
-        sys.exit(0)
-    config_file, overrides = _split_argv(argv)
-    run_config = config_class()
-    types = {f.name: f.type for f in fields(run_config)}
-    from_file = (
-        shipped_model_section(_read_yaml(config_file), config_file, types) if config_file else {}
-    )
-    # a resume continues the run as it was configured: the commands a run prints need no --config
-    saved_path, saved = resumed_run_config({**from_file, **overrides})
-    values = {**saved, **from_file, **overrides}
-    # where each key came from, for the line that refuses it (a flag: the line itself)
-    source = {key: f" in {saved_path}" for key in saved} | {
-        key: f" in {config_file}" for key in from_file
-    }
-    source |= {key: "" for key in overrides}
-    typed = {}
-    for key, raw in values.items():
-        if key not in types:
-            raise ConfigError(f"unknown key '{key}'{source[key]}{unknown_key_hint(key, types)}")
-        typed[key] = coerce(key, raw, types[key])
-    cfg = run_config(**typed)
-    cfg.validate()
-    return cfg
-
-
-def resumed_run_config(given: dict) -> tuple[str, dict]:
-    """A resume's run folder's config.yaml, as (its path, its values): the defaults a resume
-    starts from, so that `--output_dir RUN --resume latest` continues RUN as it was launched. ("",
-    {}) when not resuming, or when the run has no config.yaml yet (a first start that stopped
-    early)."""
-    if not given.get("resume"):
-        return "", {}
-    output_dir = str(given.get("output_dir") or "")
-    if not output_dir and given["resume"] == "latest" and run_numbers():
-        output_dir = numbered_run(max(run_numbers()))  # the run --resume latest will take
-    if not output_dir:
-        return "", {}
-    folder = RunFolder(output_dir)
-    path = f"{output_dir.rstrip('/')}/{LAYOUT['config']}"
-    if folder.on_bucket:
-        text = read_from_store(path)
-    else:
-        text = Path(path).read_text() if Path(path).is_file() else None
-    if text is None:
-        return "", {}
-    values = yaml.safe_load(text) or {}
-    # never carried over: how this start resumes is this command's to say
-    for key in ("resume", "require_resume", "init_from"):
-        values.pop(key, None)
-    return f"{path} (the run's own config, which a resume starts from)", values
-
-
-def read_from_store(url: str) -> str | None:
-    """A small file on object storage (fsspec), or None where it cannot be read: the checks that
-    follow (storage.check_output_dir) say why in their own line."""
-    try:
-        import fsspec
-
-        with fsspec.open(url, "r") as f:
-            return f.read()
-    except Exception:  # noqa: BLE001 - any store's failure: nothing to start from
-        return None
-
-
-def shipped_model_section(values: dict, path: str, known) -> dict:
-    """A preset's keys, flat. Its `gpt:` section holds the shipped GPT's sizes (train/model.py's
-    ModelConfig as the template ships it): they apply while model.py declares them, and a fork's
-    model.py that does not runs without them, saying so in one line (the presets work after any
-    fork). Any other key in the section is refused as an unknown key would be."""
-    section = values.pop(SHIPPED_MODEL_SECTION, None) or {}
-    if not isinstance(section, dict):
-        raise ConfigError(
-            f"config: {path}'s {SHIPPED_MODEL_SECTION}: section must be a mapping of key: value"
-        )
-    left_out = [key for key in section if key not in known and key in SHIPPED_MODEL_KEYS]
-    if left_out and os.environ.get("RANK", "0") == "0":
-        print(  # noqa: T201 - said once, before anything starts
-            f"note: {path}'s {SHIPPED_MODEL_SECTION}: section ({', '.join(left_out)}) sizes the shipped "
-            f"GPT; this train/model.py does not declare those keys, so they are left out",
-            file=sys.stderr,
-        )
-    applied = {key: value for key, value in section.items() if key not in left_out}
-    return {**values, **applied}
-
-
-def unknown_key_hint(key: str, known) -> str:
-    """Where a key went (a renamed one), whose it is (the shipped GPT's, after a fork), or the
-    closest known key."""
-    renamed = dict(RENAMED)
-    for settings in fork_settings().values():
-        renamed.update(getattr(settings, "RENAMED", {}))
-    if key in renamed:
-        return f" (renamed {renamed[key]})"
-    if key in SHIPPED_MODEL_KEYS:
-        return (
-            f": a key of the shipped GPT (train/model.py's ModelConfig as the template ships it), which "
-            f"this train/model.py does not declare (a preset keeps them in its {SHIPPED_MODEL_SECTION}: section)"
-        )
-    close = difflib.get_close_matches(key, known, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-@functools.cache
-def config_class() -> type:
-    """The run's config: TrainConfig's keys and the fork's own, the fields of model.py's
-    ModelConfig and data.py's DataConfig (task.py finds them), as one frozen dataclass. Every key
-    is then the same: a YAML key, a --flag, a --help line, saved in config.yaml and compared on
-    resume."""
-    settings = fork_settings()
-    if not settings:
-        return TrainConfig
-    taken = {f.name: "TrainConfig" for f in fields(TrainConfig)}
-    added = []
-    for module_name, declared in settings.items():
-        where = f"{module_name}.py's {declared.__name__}"
-        if not dataclasses.is_dataclass(declared):
-            raise ConfigError(f"train/{where} must be a @dataclass of the task's own config keys")
-        for f in fields(declared):
-            if f.name in taken:
-                raise ConfigError(
-                    f"train/{where}: key '{f.name}' is already {taken[f.name]}'s: name it otherwise"
-                )
-            type_name = type_name_of(f)
-            if type_name not in ("int", "float", "str", "bool"):
-                raise ConfigError(
-                    f"train/{where}: key '{f.name}' must be an int, float, str or bool (got {f.type})"
-                )
-            taken[f.name] = where
-            added.append((f.name, type_name, dataclasses.field(default=f.default)))
-    return dataclasses.make_dataclass("RunConfig", added, bases=(TrainConfig,), frozen=True)
-
-
-def saved_config(path) -> TrainConfig:
-    """The config a run saved (its config.yaml), unchecked: its data need not exist where the
-    weights are used. Keys this version does not know are left out."""
-    values = _read_yaml(str(path))
-    run_config = config_class()
-    known = {f.name for f in fields(run_config)}
-    values = {key: value for key, value in values.items() if key in known}
-    if "dataset" in values:
-        values["dataset"] = parse_dataset(values["dataset"])
-    return run_config(**values)
-
-
-def _split_argv(argv: list[str]) -> tuple[str | None, dict[str, str]]:
-    config_file = None
-    overrides = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}' (flags look like --key value)")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                given = f"; got the next flag {argv[i + 1]}" if i + 1 < len(argv) else ""
-                raise ConfigError(f"{key} needs a value (--{key} VALUE{given})")
-            value, i = argv[i + 1], i + 1
-        if key == "config":
-            config_file = value
-        else:
-            overrides[key] = value
-        i += 1
-    return config_file, overrides
-
-
-def _read_yaml(path: str) -> dict:
-    try:
-        with open(path) as f:
-            values = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"config: cannot read '{path}': {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"config: {where}: invalid YAML: {problem}") from None
-    if not isinstance(values, (dict, type(None))):  # None: an empty file
-        raise ConfigError(
-            f"config: {path} must hold a mapping of key: value, not {type(values).__name__}"
-        )
-    return values or {}
-
-
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
-
-
-def coerce(key: str, raw, type_name: str):
-    """Turn a YAML value or a CLI string into the field's type, or raise ConfigError naming the
-    key."""
-    if key == "dataset":
-        return parse_dataset(raw)
-    exact = not isinstance(raw, bool)  # YAML's true is no number, and no string either
-    if type_name == "bool" and (not exact or str(raw).lower() in _TRUE + _FALSE):
-        return raw if not exact else str(raw).lower() in _TRUE
-    if (
-        type_name == "int"
-        and exact
-        and not isinstance(raw, float)
-        and re.fullmatch(r"[+-]?\d+", str(raw).strip())
-    ):
-        return int(raw)
-    if type_name == "float" and exact and isinstance(raw, (int, float, str)):
-        try:
-            return float(raw)
-        except ValueError:
-            pass
-    if type_name == "str" and isinstance(raw, bool):  # YAML's true, for a key like compile
-        return str(raw).lower()
-    if type_name == "str" and (raw is None or exact and isinstance(raw, (str, int, float))):
-        return "" if raw is None else str(raw)
-    raise ConfigError(
-        f"{key} must be {'an' if type_name == 'int' else 'a'} {type_name} (got {raw!r})"
-    )
-
-
-def usage() -> str:
-    """--help text: each key with its type, default and the comment above it in TrainConfig, then
-    the fork's own keys (model.py's ModelConfig, data.py's DataConfig) the same way."""
-    program = (
-        os.path.relpath(sys.argv[0])
-        if sys.argv and sys.argv[0].endswith(".py")
-        else "train/main.py"
-    )
-    lines = [f"usage: {program} [--config FILE.yaml] [--key value ...]", ""]
-    for module_name, declared in {"config": TrainConfig, **fork_settings()}.items():
-        if declared is not TrainConfig:
-            lines += ["", f"  train/{module_name}.py's {declared.__name__}:"]
-        comments = comments_above_fields(declared)
-        for f in fields(declared):
-            lines.append(
-                f"  --{f.name:<17} {type_name_of(f):<5} default {f.default!r:<24} "
-                f"{comments.get(f.name, '')}"
-            )
-    return "\n".join(lines)
-
-
-def type_name_of(field: dataclasses.Field) -> str:
-    """A field's type as written: "int" (a name, under `from __future__ import annotations`, or
-    the class itself)."""
-    if isinstance(field.type, str):
-        return field.type
-    return getattr(field.type, "__name__", str(field.type))
-
-
-def comments_above_fields(declared: type) -> dict[str, str]:
-    """{key: the comment lines right above its field in the class's source}."""
-    comments = {}
-    above = []
-    for line in inspect.getsource(declared).splitlines():
-        comment = re.match(r"^\s+# (?!----)(.*)$", line)  # not a "# ---- section" rule
-        field = re.match(r"^\s+(\w+): \w+ = ", line)
-        if comment:
-            above.append(comment[1])
-        elif field:
-            comments[field[1]] = " ".join(above)
-            above = []
-        else:
-            above = []
-    return comments

@@ -32,6 +32,7 @@ import json
 import os
 import sysconfig
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,27 @@ from errors import ConfigError, first_line
 from lm import packing_tokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"  # the repo's data/ folder
+# what --dataset is when not given (task.py puts it in the config, so config.yaml says what was read)
+DEFAULT_DATASET = "python_stdlib"
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass
+class DataConfig:
+    """The causal LM's own data keys (config.py adds them to the template's: YAML, --flags, --help)."""
+
+    # the column holding the raw text
+    text_column: str = "text"
+    # tokens (bytes) per training sample
+    block_size: int = 128
+
+
+def check_config(cfg) -> None:
+    """DataConfig's keys, at start-up (the template checks only its own)."""
+    if cfg.block_size <= 0:
+        raise ConfigError(f"block_size must be > 0 (got {cfg.block_size!r})")
+    if cfg.text_column == "":
+        raise ConfigError(f"text_column must not be empty (got {cfg.text_column!r})")
 
 
 def build_datasets(cfg):
@@ -143,7 +164,7 @@ def load_text(cfg):
     source has one). Local files are one split, 'train'."""
     import datasets  # a heavy import, made only when data is read
 
-    source = cfg.dataset
+    source = cfg.dataset or DEFAULT_DATASET
     if source == "python_stdlib":
         source = str(write_python_stdlib_corpus())
     if os.path.exists(source):

@@ -27,12 +27,12 @@ from safetensors.torch import load_file, load_model
 
 from adapters import ADAPTER_FILE, add_lora, from_peft_format, trainable_weights
 from checkpoint import check_weights
-from config import saved_config
 from errors import ConfigError
 from hangs import patiently
 from lm import load_tokenizer
 from plumbing import collectively
 from resume import init_weights
+from run_config import saved_config
 from run_folder import LAYOUT, RunFolder
 
 INSTALL = "pip install -r requirements-eval.txt"
@@ -172,7 +172,7 @@ def evaluate_folder(folder: Path, build_model, tasks, task_path="", limit=None, 
     {"<task>/<metric>": value}, the harness's results)."""
     cfg, model, tokenizer = load_trained(Path(folder), build_model)
     scores, results = run_tasks(
-        model.to(device), tokenizer, cfg.block_size, tasks, task_path, limit
+        model.to(device), tokenizer, context_length(cfg, model), tasks, task_path, limit
     )
     run, state = run_and_checkpoint(folder)
     step = state.get("step", cfg.max_steps)
@@ -185,6 +185,15 @@ def evaluate_folder(folder: Path, build_model, tasks, task_path="", limit=None, 
     written["lm_eval_version"] = results.get("lm_eval_version")
     path.write_text(json.dumps(written, indent=2, default=str) + "\n")
     return step, scores, results
+
+
+def context_length(cfg, model) -> int:
+    """The tokens the model reads at once: the run's block_size (the shipped LM's data key), else a
+    Hugging Face model's positions (a fork that declares no block_size)."""
+    block_size = getattr(cfg, "block_size", None)
+    if block_size:
+        return block_size
+    return getattr(getattr(model, "config", None), "max_position_embeddings", 2048)
 
 
 def evaluate_export(plumbing, cfg, build_model) -> dict:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from checkpoint import read_manifest, run_geometry
 from checks import check_dataset_name, check_devices, check_launch, check_model_and_tokenizer
-from config import TrainConfig, load_config
+from config import TrainConfig
 from errors import CheckpointError, ConfigError, RunError, first_line, the_line
 from hangs import SILENT_WAIT_S, stop_watching
 from hangs import explain as explain_hang
@@ -32,10 +32,11 @@ from plumbing import close_process_group, collectively, is_writer
 from profiling import profile_window, start_clock, write_oom_snapshot
 from provenance import relaunch_command
 from resume import check_same_run, check_sources
+from run_config import load_config
 from run_folder import RUNS_ROOT, RunFolder, held_run_folder, numbered_run, run_numbers, step_of
 from stopping import Preempted, StopSignals, stop_signals
 from storage import check_output_dir, open_run_folder
-from task import check_fork_files
+from task import check_fork_files, with_data_default
 
 # Long enough for a slow rank 0 to fail too and the launcher (it polls every 0.1 s) to
 # stop the rest.
@@ -121,7 +122,7 @@ def load_config_or_exit(argv, lease: bool = True) -> TrainConfig:
 
 def load_checked_config(argv, lease: bool = True) -> TrainConfig:
     """load_config's types and ranges, then what needs a file or the hub."""
-    cfg = load_config(argv)
+    cfg = with_data_default(load_config(argv))  # --dataset not given: data.py's default, if any
     check_fork_files(cfg)  # model.py and data.py define what the template uses
     check_sources(cfg)  # --resume, --init_from
     # on object storage: the package it needs, the bucket
@@ -134,7 +135,8 @@ def load_checked_config(argv, lease: bool = True) -> TrainConfig:
     check_launch()  # a multi-node environment that started this process alone
     # each source of a mixture, or the one dataset
     for path in [source.path for source in cfg.mixture] or [cfg.dataset]:
-        check_dataset_name(path)
+        if path:  # "": a fork's data.py that names its own data, or reads none
+            check_dataset_name(path)
     # a Hugging Face model and tokenizer: their small config files only
     check_model_and_tokenizer(cfg)
     if cfg.eval_tasks:  # installed, and every task known: not found out after the training

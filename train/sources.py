@@ -131,13 +131,14 @@ def _check_mixture(sources: tuple[Source, ...]) -> None:
 def source_config(cfg, source: Source):
     """The run's config as data.py sees it for one source: its path, configuration, split and
     text column in the keys data.py reads for a single dataset."""
-    return replace(
-        cfg,
-        dataset=source.path,
-        dataset_config=source.config,
-        dataset_split=source.split or cfg.dataset_split,
-        text_column=source.text_column or cfg.text_column,
-    )
+    per_source = {
+        "dataset": source.path,
+        "dataset_config": source.config,
+        "dataset_split": source.split or cfg.dataset_split,
+    }
+    if source.text_column:  # a key of data.py's (the shipped LM's DataConfig)
+        per_source["text_column"] = source.text_column
+    return replace(cfg, **per_source)
 
 
 def describe(sources: tuple[Source, ...]) -> str:

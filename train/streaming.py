@@ -45,7 +45,8 @@ class StreamBatches:
         self.rank = plumbing.process_index
         self.device = plumbing.device
         self.pack = task.packer(cfg)
-        self.block_size = cfg.block_size
+        # the packer's block length (a data.py key: the shipped LM's); 0 where the fork has none
+        self.block_size = getattr(cfg, "block_size", 0)
         self.batch_size = cfg.batch_size
         self.buffer_size = cfg.shuffle_buffer
         # a mixture's sources draw from generators of their own

@@ -27,6 +27,8 @@ below, by these names (README "Make it yours"):
               identity(dataset) -> str        optional: what a resume must find unchanged, for data the
                                               template cannot digest itself (batches.data_identity)
               DataConfig                      optional: a dataclass of the data's own keys
+              check_config(cfg)               optional: the data's own checks of its keys
+              DEFAULT_DATASET                 optional: --dataset when not given (else "")
 
 lm.py holds the causal LM's answers (the shipped files call them); examples/ holds other tasks'.
 Below them, the checks that hold the two files to this at start-up, in one line each.
@@ -212,11 +214,21 @@ def check_fork_files(cfg) -> None:
                     f"train/{module_name}.py defines no {name}({', '.join(arguments)}), {what} "
                     f'(README "Make it yours"; examples/ has one for each task)'
                 )
-    model_checks = getattr(fork_file("model"), "check_config", None)
-    if model_checks is not None:
-        model_checks(cfg)
+    for module_name in ("model", "data"):  # each file's own checks of its own keys
+        own_checks = getattr(fork_file(module_name), "check_config", None)
+        if own_checks is not None:
+            own_checks(cfg)
     if cfg.lora_r:
         check_adapters(cfg)
+
+
+def with_data_default(cfg):
+    """The config with data.py's DEFAULT_DATASET where --dataset was not given (the shipped LM's:
+    python_stdlib); a fork's data.py without one keeps "" (its own data, or none)."""
+    default = getattr(fork_file("data"), "DEFAULT_DATASET", "")
+    if cfg.dataset or not default:
+        return cfg
+    return replace(cfg, dataset=default)
 
 
 def check_adapters(cfg) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +40,25 @@ MESSAGES = "messages"  # chat data: a list of {"role", "content"}
 PROMPT, RESPONSE = "prompt", "response"  # instruction data: one exchange
 BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 COLUMNS = ("input_ids", "labels", "position_ids")
+
+
+@dataclass
+class DataConfig:
+    """The chat data's own keys (the template joins them to its own: YAML, --flags, --help)."""
+
+    # tokens per packed block: several conversations to a block, one longer than it is cut
+    block_size: int = 1024
+
+
+def check_config(cfg) -> None:
+    """The data's keys, at start-up: one line naming the key."""
+    if not cfg.dataset:
+        raise ConfigError(
+            "dataset: pass --dataset, chat JSON lines or prompt/response rows (a file, a folder, or a "
+            "hub name)"
+        )
+    if cfg.block_size <= 0:
+        raise ConfigError(f"block_size must be > 0 (got {cfg.block_size!r})")
 
 
 def build_datasets(cfg):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,26 @@ from errors import ConfigError
 from lm import load_tokenizer
 
 START = 2  # bytes: STX starts every document
+
+
+@dataclass
+class DataConfig:
+    """The text data's own keys (the template joins them to its own: YAML, --flags, --help)."""
+
+    # the column holding the raw text
+    text_column: str = "text"
+    # tokens (bytes) per training sample
+    block_size: int = 128
+
+
+def check_config(cfg) -> None:
+    """The data's keys, at start-up: one line naming the key."""
+    if not cfg.dataset:
+        raise ConfigError("dataset: pass --dataset, a JSON lines or CSV file (or a folder of them)")
+    if cfg.block_size <= 0:
+        raise ConfigError(f"block_size must be > 0 (got {cfg.block_size!r})")
+    if cfg.text_column == "":
+        raise ConfigError(f"text_column must not be empty (got {cfg.text_column!r})")
 
 
 def build_datasets(cfg):

@@ -41,6 +41,16 @@ class DataConfig:
     image_size: int = 32
 
 
+def check_config(cfg) -> None:
+    """The data's keys, at start-up: one line naming the key."""
+    if not cfg.dataset:
+        raise ConfigError(
+            "dataset: pass --dataset, a folder of images with one subfolder per class (or a hub name)"
+        )
+    if cfg.image_size <= 0:
+        raise ConfigError(f"image_size must be > 0 (got {cfg.image_size!r})")
+
+
 def build_datasets(cfg):
     """(train, eval): map-style datasets of {"pixels": (3, image_size, image_size), "labels": class}."""
     import datasets

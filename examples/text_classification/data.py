@@ -35,6 +35,20 @@ class DataConfig:
 
     # tokens kept of each text (the rest is cut)
     max_length: int = 128
+    # the column holding each text
+    text_column: str = "text"
+
+
+def check_config(cfg) -> None:
+    """The data's keys, at start-up: one line naming the key."""
+    if not cfg.dataset:
+        raise ConfigError(
+            "dataset: pass --dataset, a CSV or JSON lines file of text and label (or a hub name)"
+        )
+    if cfg.max_length <= 0:
+        raise ConfigError(f"max_length must be > 0 (got {cfg.max_length!r})")
+    if cfg.text_column == "":
+        raise ConfigError(f"text_column must not be empty (got {cfg.text_column!r})")
 
 
 def build_datasets(cfg):

@@ -12,7 +12,6 @@ from safetensors.torch import load_model
 
 import batches
 import data
-from config import load_config
 from conftest import (
     FAULTY_MAIN,
     REPO,
@@ -23,6 +22,7 @@ from conftest import (
     write_corpus,
 )
 from model import build_model
+from run_config import load_config
 from task import evaluate
 from torch_ddp import TorchDDP
 

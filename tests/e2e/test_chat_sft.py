@@ -44,7 +44,7 @@ class ChatFork:
     def __init__(self, root: Path, chat_llama: Path):
         self.root = root
         self.fork = fork_with(root, EXAMPLE / "model.py", EXAMPLE / "data.py")
-        self.config = TINY  # its gpt: section left out, as after any fork
+        self.config = TINY  # its lm: section left out where the fork does not declare it
         self.chats = write_chats(root / "chats.jsonl")
         self.chat_llama = chat_llama
 

@@ -150,7 +150,7 @@ class Example:
         self.steps = 32 if name == "text_classification" else 16
         self.learns_to = 0.98 if name == "text_classification" else 0.8
         self.fork = make_fork(root, name)
-        self.config = TINY  # its gpt: section left out, as after any fork
+        self.config = TINY  # its lm: section left out where the fork does not declare it
         self.data = example_args(name, root)
         self.main = self.fork / "train" / "main.py"
         self.torch_ddp = self.fork / "train" / "torch_ddp.py"
@@ -160,6 +160,8 @@ class Example:
         half = self.steps // 2
         values = dict(max_steps=self.steps, save_every=half, eval_every=half, warmup_steps=2)
         values["batch_size"] = 4
+        # the shipped LM's data key: only the GRU's data.py declares it
+        values["block_size"] = 32 if self.name == "gru_language_model" else None
         values.update(overrides)
         return [*tiny_args(output_dir, Path("unused"), config=self.config, **values), *self.data]
 

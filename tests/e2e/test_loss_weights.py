@@ -100,7 +100,7 @@ def test_accumulation_and_ranks_give_the_full_batch_gradient_of_the_mean_over_co
     tmp_path, fork
 ):
     loss, grad_norm, weights = independent_step()
-    config = TINY  # its gpt: section left out, as after any fork
+    config = TINY  # its lm: section left out where the fork does not declare it
     accumulated = run_python(
         tiny_args(
             tmp_path / "accum4",

@@ -129,10 +129,10 @@ def eval_by_hand(run_dir) -> dict:
     """{source: (summed next-token loss, tokens)} over each source's eval set, one sample at a time, with
     the exported weights: no eval loop, no sharding."""
     from checkpoint import load_weights_file
-    from config import saved_config
     from data import build_datasets
     from mixture import build_data
     from model import build_model
+    from run_config import saved_config
 
     cfg = saved_config(run_dir / "config.yaml")
     _, eval_sets = build_data(cfg, build_datasets)

@@ -183,8 +183,8 @@ def test_a_full_disk_outside_a_checkpoint_is_one_line_and_no_rank_waits(tmp_path
 
 def checkpoint_size(args) -> int:
     """About what one checkpoint of this run holds: the weights and AdamW's two moments, plus small files."""
-    from config import load_config
     from model import build_model
+    from run_config import load_config
 
     model = build_model(load_config(args))
     return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) + (64 << 10)

@@ -23,7 +23,7 @@ from safetensors.torch import load_model  # noqa: E402
 
 import data  # noqa: E402
 import model as task  # noqa: E402
-from config import saved_config  # noqa: E402
+from run_config import saved_config  # noqa: E402
 
 cfg = saved_config(run / "config.yaml")
 _, eval_set = data.build_datasets(cfg)
