@@ -28,7 +28,7 @@ from config import TrainConfig
 from errors import first_line
 from plumbing import is_writer
 from profiling import restart_line, start_clock
-from provenance import environment_info, launch_record
+from provenance import environment_info, launch_record, relaunch_command
 from sharding import fsdp_setting
 from storage import StoreError, open_run_folder
 
@@ -45,7 +45,8 @@ class MetricsLogger:
         self.bar = None
         self.tracker_failed = False
         self.started = time.monotonic()  # for the summary's wall time
-        self.evaluations: list[dict] = []  # this start's eval rows, for the summary
+        self.evaluations: list[dict] = []  # the run's eval rows, for the summary
+        self.first_step = 0  # the step this start began at
         self.restart: dict | None = None  # the restart report's row, once start() knows the step
 
     def start(self, cfg: TrainConfig, step: int, run_info: dict) -> None:
@@ -89,7 +90,11 @@ class MetricsLogger:
             "steps_lost": max(0, int(last_logged) - step),
         }
         # a resume re-logs the rest
-        path.write_text("".join(line for line in logged if _step_of(line) <= step))
+        kept = [line for line in logged if _step_of(line) <= step]
+        path.write_text("".join(kept))
+        # the earlier starts' evaluations too: the summary's best is the run's
+        self.evaluations = [row for row in map(json.loads, kept) if is_evaluation(row)]
+        self.first_step = step
         # line-buffered: readable while training runs
         self.metrics_file = open(path, "a", buffering=1)
         # trackers are finished on every way out, errors included (W&B hangs otherwise)
@@ -153,7 +158,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        if "eval_loss" in row:
+        if is_evaluation(row):
             self.evaluations.append(row)
         self.metrics_file.write(json.dumps(row) + "\n")
         self._to_trackers(row, step)
@@ -174,27 +179,46 @@ class MetricsLogger:
             self.folder.mark_for_requeue(step, signal_name, checkpoint)
         self.info(
             f"stopping at step {step} on {signal_name}, checkpoint saved: continue with "
-            f"--output_dir {self.cfg.output_dir} --resume latest"
+            + relaunch_command("--output_dir", self.cfg.output_dir, "--resume", "latest")
         )
 
     def finished(self, step: int, model_path, samples_text: bool) -> None:
-        """The run's summary, once it has exported: wall time, the last and the best evaluation, where
-        the model is, and the next commands. `samples_text`: a causal LM, which scripts/sample.py
-        can write with."""
+        """The run's summary, once it has exported: this start's wall time, the last and the best
+        evaluation of the whole run, where the model is, and the next commands, each as it can be
+        pasted (the launcher included; a resume reads the run's config.yaml). `samples_text`: a
+        causal LM, which scripts/sample.py can write with."""
         minutes, seconds = divmod(round(time.monotonic() - self.started), 60)
-        lines = [f"done: step {step} in {minutes} min {seconds} s"]
+        took = f"in {minutes} min {seconds} s"
+        if self.first_step:  # a resumed run: what this start trained, the evaluations are the run's
+            took = f"(this start: steps {self.first_step + 1}-{step} {took})"
+        lines = [f"done: step {step} {took}"]
         if self.evaluations:
             last = self.evaluations[-1]
-            best = min(self.evaluations, key=lambda row: row["eval_loss"])
             said = [_fmt(k, v) for k, v in watched(last).items() if k != "step"]
             lines.append(f"final eval (step {last['step']}): {' | '.join(said)}")
-            lines.append(f"best eval_loss: {best['eval_loss']:.4g} at step {best['step']}")
+            scored = [row for row in self.evaluations if "eval_loss" in row]
+            if scored:
+                best = min(scored, key=lambda row: row["eval_loss"])
+                lines.append(f"best eval_loss: {best['eval_loss']:.4g} at step {best['step']}")
         run = self.cfg.output_dir
         lines.append(f"model: {model_path}")
         lines.append(f"curves: python scripts/plot_metrics.py {run}")
         if samples_text:
             lines.append(f'samples: python scripts/sample.py {run} --prompt "..."')
-        lines.append(f"train on: --output_dir {run} --resume latest --max_steps {2 * step}")
+        further = str(2 * step)
+        lines.append(
+            f"train on to step {further} (the LR schedule stretched to it): "
+            + relaunch_command(
+                "--output_dir",
+                run,
+                "--resume",
+                "latest",
+                "--max_steps",
+                further,
+                "--lr_decay_steps",
+                further,
+            )
+        )
         for line in lines:
             self.info(line)
 
@@ -484,3 +508,8 @@ def run_info(cfg: TrainConfig, plumbing, plain_model, data) -> dict:
         "eval_samples": sum(len(eval_set) for eval_set in data.eval_sets.values()),
         "parameters": sum(p.numel() for p in plain_model.parameters()),
     }
+
+
+def is_evaluation(row: dict) -> bool:
+    """An eval row of metrics.jsonl: the task's eval_<metric>s (eval_loss for the LM, any for a fork)."""
+    return any(key.startswith("eval_") for key in row)
