@@ -21,6 +21,7 @@ import functools
 import io
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,8 +146,9 @@ def load_images(cfg):
         check_class_folders(cfg.dataset)
     try:
         if os.path.isdir(cfg.dataset):
-            splits = datasets.load_dataset("imagefolder", data_dir=cfg.dataset)
-        else:
+            with datasets_bars_off():
+                splits = datasets.load_dataset("imagefolder", data_dir=cfg.dataset)
+        else:  # a hub dataset: its download's progress bars are real
             splits = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None)
     except Exception as e:  # no images, unreadable files, offline, a wrong name
         raise ConfigError(
@@ -157,6 +159,22 @@ def load_images(cfg):
             f"dataset_split '{cfg.dataset_split}' is not a split of '{cfg.dataset}' (splits: {', '.join(splits)})"
         )
     return splits
+
+
+@contextmanager
+def datasets_bars_off():
+    """datasets' progress bars off meanwhile, as they were after. Reading a local folder, its download
+    step "downloads" each image file to its own path and draws a bar of them ("Downloading data: 90
+    files"); nothing comes from anywhere, and the split is generated from the paths in a moment."""
+    import datasets
+
+    were_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not were_off:
+            datasets.enable_progress_bars()
 
 
 def check_class_folders(folder: str) -> None:
