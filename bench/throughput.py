@@ -295,8 +295,8 @@ def measure(train_args: list[str], variants: tuple[str, ...], opts: dict) -> dic
     from blocks import flops_per_token
     from model import build_model
     from plumbing import init_process_group
+    from profiling import peak_flops_per_gpu
     from run_config import load_config
-    from tracking import peak_flops_per_gpu
 
     cfg = load_config(train_args)
     configs = {

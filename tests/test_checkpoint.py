@@ -507,7 +507,7 @@ def test_a_fresh_run_refuses_an_output_dir_with_checkpoints(tmp_path):
 
 def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict):
     """One save as the loop's Checkpointer makes it, written before returning: its folder."""
-    transaction = saving.Transaction(plumbing, cfg, parts, step, identity)
+    transaction = saving.begin(plumbing, cfg, parts, step, identity)
     transaction.run()
     return transaction.final
 

@@ -164,6 +164,6 @@ def test_a_full_disk_is_recognised_by_the_error_whatever_space_is_free_afterward
 
 def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict):
     """One save as the loop's Checkpointer makes it, written before returning: its folder."""
-    transaction = saving.Transaction(plumbing, cfg, parts, step, identity)
+    transaction = saving.begin(plumbing, cfg, parts, step, identity)
     transaction.run()
     return transaction.final

@@ -350,7 +350,7 @@ def test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path
 
 def save_checkpoint(plumbing, cfg, parts: dict, step: int, identity: dict):
     """One save as the loop's Checkpointer makes it, written before returning: its folder."""
-    transaction = saving.Transaction(plumbing, cfg, parts, step, identity)
+    transaction = saving.begin(plumbing, cfg, parts, step, identity)
     transaction.run()
     return transaction.final
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import task
-from batches import content_digest
+from batches import content_digest, loss_weights
 from errors import ConfigError
 from run_config import config_class
 
@@ -196,18 +196,18 @@ def test_loss_weights_make_the_step_a_mean_over_every_counted_item(monkeypatch):
     backward divides by 2 micro-batches, DDP by 2 ranks): 0.75 and 1.25. Equal counts: exactly 1.0 each."""
     monkeypatch.setattr(task, "loss_counter", lambda: lambda batch: batch["counted"])
     batches = [{"counted": torch.tensor(3)}, {"counted": torch.tensor(5)}]
-    weights = task.loss_weights(batches, plumbing_of(2, other_ranks_items=8))
+    weights = loss_weights(batches, plumbing_of(2, other_ranks_items=8))
     assert weights.dtype == torch.float64 and weights.tolist() == [0.75, 1.25]
     equal = [{"counted": torch.tensor(4)}, {"counted": torch.tensor(4)}]
-    assert task.loss_weights(equal, plumbing_of(2, other_ranks_items=8)).tolist() == [1.0, 1.0]
+    assert loss_weights(equal, plumbing_of(2, other_ranks_items=8)).tolist() == [1.0, 1.0]
     one_rank = [{"counted": 1}, {"counted": 2}, {"counted": 3}]  # plain ints, one process
-    assert task.loss_weights(one_rank, plumbing_of(1)).tolist() == [0.5, 1.0, 1.5]
+    assert loss_weights(one_rank, plumbing_of(1)).tolist() == [0.5, 1.0, 1.5]
     one_item = [{"counted": 1}, {"counted": 0}]  # one counted token in the whole step
-    assert task.loss_weights(one_item, plumbing_of(1)).tolist() == [2.0, 0.0]
+    assert loss_weights(one_item, plumbing_of(1)).tolist() == [2.0, 0.0]
     nothing_counted = [{"counted": 0}, {"counted": 0}]  # every label masked: no division by 0
-    assert task.loss_weights(nothing_counted, plumbing_of(1)).tolist() == [0.0, 0.0]
+    assert loss_weights(nothing_counted, plumbing_of(1)).tolist() == [0.0, 0.0]
     monkeypatch.setattr(task, "loss_counter", lambda: None)  # a task without loss_items
-    assert task.loss_weights(batches, plumbing_of(2, 8)).tolist() == [1.0, 1.0]
+    assert loss_weights(batches, plumbing_of(2, 8)).tolist() == [1.0, 1.0]
 
 
 def test_the_fork_files_optional_names_are_used_where_defined(monkeypatch):

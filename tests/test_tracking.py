@@ -15,9 +15,10 @@ import torch
 from blocks import flops_per_token
 from conftest import MAIN, REPO, base_env, tiny_args
 from model import build_model
+from profiling import Throughput, peak_flops_per_gpu
 from run_config import config_class
 from torch_ddp import TorchDDP
-from tracking import MetricsLogger, Throughput, peak_flops_per_gpu, wandb_init_kwargs
+from tracking import MetricsLogger, wandb_init_kwargs
 
 RunConfig = config_class()  # TrainConfig and model.py's and data.py's own keys
 

@@ -25,7 +25,6 @@ from blocks import transformer_blocks
 from errors import ConfigError
 
 ADAPTER_NAME = "default"  # peft's name for a model's one adapter
-ADAPTER_FILE = "adapter_model.safetensors"  # the export, as peft names it
 # peft's key prefix in adapter_model.safetensors, which PeftModel.from_pretrained expects
 PEFT_PREFIX = "base_model.model."
 

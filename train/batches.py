@@ -433,3 +433,26 @@ def _update(digest, value) -> None:
         digest.update(np.ascontiguousarray(value).tobytes())
     else:
         digest.update(repr(value).encode())
+
+
+def loss_weights(micro_batches: list[dict], plumbing) -> torch.Tensor:
+    """Each micro-batch's weight in its optimizer step, float64 on the device, one per micro-batch.
+
+    The model's .loss is the mean over its micro-batch's items (model.py's `loss_items(batch)`:
+    an LM's counted tokens, fewer where prompts are masked). The step must minimise the mean over
+    all the items of all its micro-batches on all ranks, or a short answer's tokens weigh more than
+    a long one's and accumulation or another world size changes the gradient. The backward already
+    averages micro-batches (divides by grad_accum_steps) and DDP averages ranks, so micro-batch b
+    weighs items_b x ranks x micro-batches / the step's items: one all-reduce of one number per
+    step, before any backward. Where every micro-batch counts the same (packed blocks), each weight
+    is exactly 1.0 and nothing changes by a bit. A task without loss_items: 1.0 each."""
+    steps = len(micro_batches)
+    count = task.loss_counter()
+    if count is None:
+        return torch.ones(steps, dtype=torch.float64, device=plumbing.device)
+    items = torch.stack([torch.as_tensor(count(batch)).reshape(()) for batch in micro_batches])
+    items = items.to(device=plumbing.device, dtype=torch.int64)
+    step_items = plumbing.reduce(items.sum(), "sum")
+    # integers until the division: equal counts give exactly 1.0
+    share = items * plumbing.num_processes * steps
+    return share.double() / step_items.clamp(min=1).double()

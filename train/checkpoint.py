@@ -42,7 +42,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from adapters import (
-    ADAPTER_FILE,
     is_adapted,
     merged_weights,
     peft_format,
@@ -54,7 +53,7 @@ from errors import CheckpointError, first_line
 from hangs import patiently
 from lm import save_tokenizer
 from plumbing import collectively
-from run_folder import LAYOUT, MANIFEST
+from run_folder import LAYOUT, MANIFEST, RunFolder
 
 
 @dataclass
@@ -614,7 +613,7 @@ def write_adapter(plumbing, model, cfg, save_extras) -> Path:
     adapter_config.json (naming the base model), with the tokenizer, in the run folder (collective:
     a sharded adapter is gathered from every process first). PeftModel.from_pretrained(base model,
     run folder) loads it."""
-    path = Path(cfg.run_dir) / ADAPTER_FILE
+    path = RunFolder.of(cfg).path("adapter")
     module = plumbing.unwrap_model(model, keep_torch_compile=False)
     if is_sharded(module):
         adapter = gathered_weights(module, trainable_only=True)

@@ -25,12 +25,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, load_model
 
-from adapters import ADAPTER_FILE, add_lora, from_peft_format, trainable_weights
+from adapters import add_lora, from_peft_format, trainable_weights
 from checkpoint import check_weights
 from errors import ConfigError
-from hangs import patiently
 from lm import load_tokenizer
-from plumbing import collectively
 from resume import init_weights
 from run_config import saved_config
 from run_folder import LAYOUT, RunFolder
@@ -112,7 +110,7 @@ def load_trained(folder: Path, build_model):
 def holds_adapter(folder: Path) -> bool:
     """A LoRA run's export (adapter_model.safetensors), or one of its checkpoints (whose model part
     holds the adapters only); not a merged export, which loads as any model does."""
-    if (folder / ADAPTER_FILE).is_file():
+    if (folder / LAYOUT["adapter"]).is_file():
         return True
     weights = folder / LAYOUT["export"]
     if not weights.is_file():
@@ -132,8 +130,8 @@ def adapted_model(folder: Path, cfg, build_model):
     model = add_lora(build_model(cfg), cfg)
     if cfg.init_from:
         init_weights(model, cfg.init_from)
-    if (folder / ADAPTER_FILE).is_file():
-        adapter = from_peft_format(load_file(str(folder / ADAPTER_FILE)))
+    if (folder / LAYOUT["adapter"]).is_file():
+        adapter = from_peft_format(load_file(str(folder / LAYOUT["adapter"])))
     else:
         adapter = load_file(str(folder / LAYOUT["export"]))
     check_weights_dict(adapter, trainable_weights(model), folder)
@@ -176,7 +174,7 @@ def evaluate_folder(folder: Path, build_model, tasks, task_path="", limit=None, 
     )
     run, state = run_and_checkpoint(folder)
     step = state.get("step", cfg.max_steps)
-    path = run / "evals" / f"step_{step:08d}.json"
+    path = run / LAYOUT["evals"] / f"step_{step:08d}.json"
     path.parent.mkdir(exist_ok=True)
     written = json.loads(path.read_text()) if path.is_file() else {"step": step, "scores": {}}
     written["scores"].update(scores)
@@ -194,28 +192,6 @@ def context_length(cfg, model) -> int:
     if block_size:
         return block_size
     return getattr(getattr(model, "config", None), "max_position_embeddings", 2048)
-
-
-def evaluate_export(plumbing, cfg, build_model) -> dict:
-    """The eval_tasks scores of the run's export as {"lm_eval/<task>/<metric>": value}, computed by
-    the main process while the others wait (collective; an error is an error on every process)."""
-    tasks = [task for task in cfg.eval_tasks.split(",") if task]
-
-    def evaluate() -> dict:
-        if not plumbing.is_main_process:
-            return {}
-        _, scores, _ = evaluate_folder(
-            Path(cfg.run_dir),
-            build_model,
-            tasks,
-            cfg.eval_task_path,
-            cfg.eval_limit or None,
-            plumbing.device,
-        )
-        return {f"lm_eval/{name}": value for name, value in scores.items()}
-
-    with patiently("the evaluations"):  # the others wait up to dist_timeout_s
-        return collectively(plumbing, "lm-evaluation-harness", evaluate)
 
 
 def run_tasks(

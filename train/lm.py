@@ -33,7 +33,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The mean next-token loss over the batch's counted targets, a scalar: position t predicts
     labels[t + 1], and a label of -100 (a masked prompt, padding) is not counted. A mean over
     tokens, not over samples, so a sample weighs by the tokens it counts, as in the step's loss
-    (task.loss_weights, with `counted_targets` below as the count)."""
+    (batches.loss_weights, with `counted_targets` below as the count)."""
     # the targets move left, not the logits: the last position gets an ignored target, and the
     # logits are not copied (a sliced view would be, by reshape; 0.4 ms of a 100 ms CPU step)
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)

@@ -25,21 +25,20 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 # THE FORK'S model.py and data.py, reached through the seam (task.py lists what is used)
 import task
-from batches import build_batches, load_data
+from batches import build_batches, load_data, loss_weights
 from checkpoint import PerProcess, TrainState, checkpoint_parts, export_model
 from compiling import compile_and_keep
 from compiling import report as compile_report
-from config import TrainConfig
+from evaluation import evaluate, evaluate_export
 from hangs import Watch
-from harness import evaluate_export
 from job import claim_run_folder, load_config_or_exit, run_or_exit
 from optim import build_optimizer, set_lr
 from plumbing import Plumbing, build_accelerator
-from profiling import ProfilerWindow
+from profiling import ProfilerWindow, Throughput
 from resume import TrainingDiverged, resume_or_start
 from saving import Checkpointer
 from stopping import stop_signals
-from tracking import MetricsLogger, Throughput, new_run_id, run_info
+from tracking import MetricsLogger, new_run_id, run_info
 
 
 # an unexpected exception's traceback goes into the launcher's summary, not only the worker's log
@@ -49,8 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     run_or_exit(train, cfg, build_accelerator)
 
 
-def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
+def train(cfg, accelerator: Plumbing) -> int:
     """THE training loop; returns the process exit code (0, or StopSignals' code after a signal).
+    `cfg`: the run's config (config.TrainConfig's keys and the fork's own, run_config.py).
     `accelerator`: an accelerate.Accelerator (plumbing.build_accelerator), or torch_ddp.TorchDDP;
     what is used of it is plumbing.Plumbing."""
     # ---------------------------------------------------------------- setup
@@ -118,9 +118,9 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
         with watch.timed("data"):
             micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
         # each micro-batch's share of the step, by the items (tokens) its loss counts against all
-        # the step's, on every rank: 1.0 each where they count the same (task.loss_weights)
+        # the step's, on every rank: 1.0 each where they count the same (batches.loss_weights)
         watch.at("loss weights")  # the step's items summed over the ranks: a collective
-        weights = task.loss_weights(micro_batches, accelerator)
+        weights = loss_weights(micro_batches, accelerator)
         for batch, weight in zip(micro_batches, weights, strict=True):
             # DDP's gradient all-reduce runs on the last micro-step only
             with accelerator.accumulate(model):
@@ -176,7 +176,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
             stopping = stop_signals.requested(accelerator)
         log.advance()
         if state.step % cfg.eval_every == 0 or is_last:
-            log.log(state.step, task.evaluate(model, eval_loaders, accelerator, cfg))
+            log.log(state.step, evaluate(model, eval_loaders, accelerator, cfg))
         if saving or stopping:
             checkpointer.save(state.step)  # with async_save, written while training goes on
         if stopping:
@@ -193,7 +193,7 @@ def train(cfg: TrainConfig, accelerator: Plumbing) -> int:
     # Hugging Face model; on object storage, uploaded with the run files (storage.py)
     path = export_model(accelerator, model, cfg)
     if cfg.eval_tasks:  # lm-evaluation-harness on the export, by the main process (harness.py)
-        log.log(state.step, evaluate_export(accelerator, cfg, task.build_model))
+        log.log(state.step, evaluate_export(accelerator, cfg))
     # wall time, the final and best evaluation, the next commands
     log.finished(state.step, path, samples_text=task.tokens_per_sample(cfg) is not None)
     # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)

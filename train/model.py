@@ -116,7 +116,7 @@ def eval_metrics(sums: dict, cfg) -> dict:
 def loss_items(batch: dict) -> torch.Tensor:
     """How many items the model's .loss averages over in this batch: its counted next-token targets
     (labels of -100 are not). The loop weighs each micro-batch by it, so the step's loss is the
-    mean over every token the step counts, on all ranks (task.loss_weights)."""
+    mean over every token the step counts, on all ranks (batches.loss_weights)."""
     return counted_targets(batch["labels"])
 
 

@@ -1,4 +1,5 @@
-"""Where the time goes: a profiler window on demand, and where each start's seconds went.
+"""Where the time goes: the throughput each log row reports (samples/s, tokens/s, MFU, peak memory), a
+profiler window on demand, and where each start's seconds went.
 
 The profiler window (--profile_steps START:END): steps START to END, both included and numbered as the
 logs number them, recorded by torch.profiler on every rank into the run folder:
@@ -32,6 +33,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import resource
 import sys
 import time
 from contextlib import contextmanager
@@ -40,9 +42,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from blocks import flops_per_token
 from errors import ConfigError
+from run_folder import LAYOUT
 
-PROFILE_FOLDER = "profile"
 MEMORY_HISTORY_ENTRIES = (
     200_000  # CUDA allocation events kept (the newest): a few hundred MB at most
 )
@@ -72,7 +75,7 @@ class ProfilerWindow:
 
     def __init__(self, cfg, plumbing, resumed_step: int):
         self.window = profile_window(cfg)  # (START, END), or None
-        self.folder = Path(cfg.run_dir) / PROFILE_FOLDER
+        self.folder = Path(cfg.run_dir) / LAYOUT["profile"]
         # each node's own folder: node-local disks, or a run on object storage (its staging folder)
         self.on_each_node = not cfg.shared_filesystem or cfg.run_dir != cfg.output_dir
         self.plumbing = plumbing
@@ -211,7 +214,7 @@ def write_oom_snapshot(run_dir: str) -> str | None:
     """After a CUDA out-of-memory error with --oom_snapshot: the memory history, for the error's line."""
     if not (run_dir and torch.cuda.is_available()):
         return None
-    folder = Path(run_dir) / PROFILE_FOLDER
+    folder = Path(run_dir) / LAYOUT["profile"]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank{os.environ.get('RANK', '0')}.oom.memory.pickle"
     torch.cuda.memory._dump_snapshot(str(path))
@@ -289,3 +292,82 @@ def process_started() -> float:
 
 
 start_clock = StartClock()  # the process's one: the modules that do a phase mark it
+
+
+# ---------------------------------------------------------------- throughput
+
+
+class Throughput:
+    """Samples/s, step time, peak memory, and where the task counts tokens (model.py's
+    tokens_per_sample) tokens/s and, on GPUs, MFU; since the last report or restart."""
+
+    def __init__(
+        self,
+        samples_per_step: int,
+        tokens_per_sample: int | None,
+        model: torch.nn.Module,
+        num_processes: int,
+        mixed_precision: str,
+    ):
+        self.samples_per_step = samples_per_step
+        self.tokens_per_step = samples_per_step * tokens_per_sample if tokens_per_sample else None
+        self.on_gpu = torch.cuda.is_available()
+        peak = peak_flops_per_gpu(torch.cuda.get_device_name()) if self.on_gpu else None
+        # MFU is against the bf16 tensor-core peak, so only quoted for bf16/fp16 runs; none on CPU
+        self.peak_flops = peak * num_processes if peak and mixed_precision != "no" else None
+        self.flops_per_token = flops_per_token(model)  # the model's own estimate, or 6 x parameters
+        self.restart()
+
+    def seen(self, step: int) -> dict:
+        """What the run has trained on by `step`: samples, and tokens where the task counts them."""
+        seen = {"samples_seen": step * self.samples_per_step}
+        if self.tokens_per_step:
+            seen["tokens_seen"] = step * self.tokens_per_step
+        return seen
+
+    def restart(self) -> None:  # after eval and checkpoints, which are not training time
+        self.start = time.perf_counter()
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def report(self) -> dict:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        rates = {
+            "samples_per_s": self.steps * self.samples_per_step / elapsed,
+            "step_time_s": elapsed / max(self.steps, 1),
+        }
+        if self.tokens_per_step:
+            rates["tokens_per_s"] = self.steps * self.tokens_per_step / elapsed
+        if self.peak_flops and self.tokens_per_step:
+            rates["mfu"] = rates["tokens_per_s"] * self.flops_per_token / self.peak_flops
+        # this process's (rank 0's, in metrics.jsonl): what DDP replicates and FSDP shards
+        if self.on_gpu:
+            rates["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        else:  # the process's peak resident memory, libraries included (Linux reports KiB)
+            rates["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        self.restart()
+        return rates
+
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. Matched in
+# order against torch.cuda.get_device_name(); a GPU that is not listed gets no MFU figure rather
+# than a wrong one.
+PEAK_BF16_FLOPS = [
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+]
+
+
+def peak_flops_per_gpu(device_name: str) -> float | None:
+    return next((flops for name, flops in PEAK_BF16_FLOPS if name in device_name), None)

@@ -5,8 +5,11 @@ the newest committed one, its lock, and the requeue marker.
         config.yaml  run_info.json  metrics.jsonl       what the run was and what it reported (tracking.py)
         checkpoints/step_00000300/                       committed checkpoints: manifest.json last (saving.py)
         model.safetensors (+ config.json, tokenizer)     the export (checkpoint.export_model)
+        adapter_model.safetensors (+ adapter_config.json) a LoRA run's export instead (checkpoint.write_adapter)
         compile_cache/                                   compiled code, for a resume (compiling.py)
         hangs/rank{r}.json                               where a hung rank was (hangs.py)
+        profile/                                         --profile_steps traces, --oom_snapshot (profiling.py)
+        evals/step_N.json                                lm-evaluation-harness scores (harness.py)
         preempted.json                                   the requeue marker: stopped on a signal, requeue me
         .lock                                            one job per folder (flock)
 
@@ -39,6 +42,9 @@ LAYOUT = {
     "export": "model.safetensors",
     "compile_cache": "compile_cache",
     "hangs": "hangs",
+    "profile": "profile",
+    "evals": "evals",
+    "adapter": "adapter_model.safetensors",  # a LoRA run's export, as peft names it
     "requeue_marker": "preempted.json",
     "lock": ".lock",
 }

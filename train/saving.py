@@ -86,7 +86,7 @@ class Checkpointer:
             self.kept_cache.record()
         self.finish()  # at most one save in flight
         started = time.perf_counter()
-        transaction = Transaction(self.plumbing, self.cfg, self.parts, step, self.identity)
+        transaction = begin(self.plumbing, self.cfg, self.parts, step, self.identity)
         with patiently("a checkpoint save"):  # a slow disk on one rank is no hang
             if not self.cfg.async_save:
                 transaction.run()
@@ -177,9 +177,18 @@ class BackgroundSave:
             raise self.error
 
 
+def begin(plumbing, cfg, parts: dict, step: int, identity: dict) -> Transaction:
+    """One save's transaction: on a disk, or staged and uploaded to object storage (the one place
+    the two ways part)."""
+    kind = BucketTransaction if open_run_folder(cfg).on_bucket else Transaction
+    return kind(plumbing, cfg, parts, step, identity)
+
+
 class Transaction:
-    """The phases of one save: create the tmp folder (after a free-space check), write the parts,
-    commit (manifest, rename, prune), or remove the tmp folder after a failure anywhere."""
+    """The phases of one save on a disk: create the tmp folder (after a free-space check), write the
+    parts, commit (manifest, rename, prune), or remove the tmp folder after a failure anywhere. The
+    writer (one process, or one per node on node-local disks) stages every rank's files in one
+    folder; BucketTransaction, below, is the same save on object storage."""
 
     def __init__(self, plumbing, cfg, parts: dict, step: int, identity: dict):
         self.plumbing = plumbing
@@ -192,14 +201,7 @@ class Transaction:
         self.tmp = self.final.with_name(self.final.name + ".tmp")
         self.writer = is_writer(plumbing, self.folder.shared)
         self.ranks = node_ranks(plumbing, self.folder.shared)
-        self.bucket = self.folder.bucket
-        if self.bucket is not None:
-            # object storage (storage.py): each process stages its own files and uploads them; the
-            # main process writes the files a checkpoint holds once, and the manifest last
-            self.final = self.bucket.step_url(step)
-            self.tmp = self.tmp / f"rank{plumbing.process_index}"
-            self.writer = plumbing.is_main_process
-            self.ranks = range(plumbing.process_index, plumbing.process_index + 1)
+        self.stages = self.writer  # whether this process has a tmp folder of its own to write
 
     def run(self) -> None:
         """The whole save, in the loop."""
@@ -213,9 +215,7 @@ class Transaction:
         collectively(self.plumbing, f"committing {self.final}", self.commit)
 
     def create_tmp(self) -> None:
-        if self.bucket is not None and self.writer:
-            self.bucket.clear_step(self.step)  # an earlier save of this step, its manifest first
-        if self.writer or self.bucket is not None:
+        if self.stages:
             shutil.rmtree(self.tmp, ignore_errors=True)
             check_space(
                 self.folder.path("checkpoints"),
@@ -231,8 +231,7 @@ class Transaction:
             if self.writer:  # provenance: the whole resolved config
                 config = yaml.safe_dump(asdict(self.cfg), sort_keys=False).encode()
                 write_file(self.tmp / LAYOUT["config"], config)
-            if self.bucket is not None:
-                self.bucket.upload(self.tmp, self.step, self.plumbing.process_index)
+            self.written()
         except Exception as e:
             # torch.save reports a full disk as "enforce fail at inline_container.cc ... unexpected pos"
             folder = self.folder.path("checkpoints")
@@ -244,28 +243,54 @@ class Transaction:
                 ) from None
             raise
 
+    def written(self) -> None:
+        """After this process wrote its files: on a disk they are where the commit renames them."""
+
     def remove_tmp(self) -> None:
-        if self.writer or self.bucket is not None:
+        if self.stages:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def commit(self) -> None:
-        if self.bucket is not None:
-            self.commit_on_object_storage()
-        elif self.writer:
+        if self.writer:
             expected = expected_files(self.parts, self.ranks)
-            about = {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
-            publish(self.tmp, self.final, expected, about)
+            publish(self.tmp, self.final, expected, self.about())
             prune_checkpoints(self.folder, self.cfg.keep_last)
 
-    def commit_on_object_storage(self) -> None:
-        """Each process's staged copy is uploaded: removed. The main process writes the manifest
-        (every process's list of its uploads, merged), prunes and uploads the run files."""
+    def about(self) -> dict:
+        """What the manifest says of the checkpoint: its step, the run's geometry and data, its parts."""
+        return {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
+
+
+class BucketTransaction(Transaction):
+    """One save on object storage (storage.py): each process stages its own files in a folder of its
+    own and uploads them; the main process writes the files a checkpoint holds once, and commits
+    with the manifest, written last (every process's list of its uploads, merged)."""
+
+    def __init__(self, plumbing, cfg, parts: dict, step: int, identity: dict):
+        super().__init__(plumbing, cfg, parts, step, identity)
+        self.bucket = self.folder.bucket
+        self.final = self.bucket.step_url(step)
+        self.tmp = self.tmp / f"rank{plumbing.process_index}"
+        self.writer = plumbing.is_main_process
+        self.ranks = range(plumbing.process_index, plumbing.process_index + 1)
+        self.stages = True
+
+    def create_tmp(self) -> None:
+        if self.writer:
+            self.bucket.clear_step(self.step)  # an earlier save of this step, its manifest first
+        super().create_tmp()
+
+    def written(self) -> None:
+        self.bucket.upload(self.tmp, self.step, self.plumbing.process_index)
+
+    def commit(self) -> None:
+        """Each process's staged copy is uploaded: removed. The main process writes the manifest,
+        prunes and uploads the run files."""
         shutil.rmtree(self.tmp.parent if self.writer else self.tmp, ignore_errors=True)
         if not self.writer:
             return
         world = range(self.plumbing.num_processes)
-        about = {"step": self.step, "run": self.run_identity, "parts": sorted(self.parts)}
-        self.bucket.commit(self.step, len(world), expected_files(self.parts, world), about)
+        self.bucket.commit(self.step, len(world), expected_files(self.parts, world), self.about())
         self.bucket.prune(self.cfg.keep_last, self.step)
         self.folder.upload_run_files()
 

@@ -387,9 +387,8 @@ class Bucket:
 
 def open_run_folder(cfg) -> RunFolder:
     """The run folder the config names: on this node's disk, or on object storage (BucketFolder)."""
-    if is_url(cfg.output_dir):
-        return BucketFolder(cfg)
-    return RunFolder.of(cfg)
+    folder = RunFolder.of(cfg)
+    return BucketFolder(cfg) if folder.on_bucket else folder
 
 
 class BucketFolder(RunFolder):

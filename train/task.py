@@ -47,7 +47,7 @@ import torch
 
 from adapters import add_lora, check_targets_under_fsdp, target_names
 from blocks import checkpoint_activations
-from buffers import shared_buffers, sync_batchnorm
+from buffers import sync_batchnorm
 from errors import ConfigError, first_line
 
 REQUIRED = {  # name: (its arguments, what it gives)
@@ -99,29 +99,6 @@ def packer(cfg):
     return fork_file("data").packer(cfg)
 
 
-def loss_weights(micro_batches: list[dict], plumbing) -> torch.Tensor:
-    """Each micro-batch's weight in its optimizer step, float64 on the device, one per micro-batch.
-
-    The model's .loss is the mean over its micro-batch's items (model.py's `loss_items(batch)`:
-    an LM's counted tokens, fewer where prompts are masked). The step must minimise the mean over
-    all the items of all its micro-batches on all ranks, or a short answer's tokens weigh more than
-    a long one's and accumulation or another world size changes the gradient. The backward already
-    averages micro-batches (divides by grad_accum_steps) and DDP averages ranks, so micro-batch b
-    weighs items_b x ranks x micro-batches / the step's items: one all-reduce of one number per
-    step, before any backward. Where every micro-batch counts the same (packed blocks), each weight
-    is exactly 1.0 and nothing changes by a bit. A task without loss_items: 1.0 each."""
-    steps = len(micro_batches)
-    count = loss_counter()
-    if count is None:
-        return torch.ones(steps, dtype=torch.float64, device=plumbing.device)
-    items = torch.stack([torch.as_tensor(count(batch)).reshape(()) for batch in micro_batches])
-    items = items.to(device=plumbing.device, dtype=torch.int64)
-    step_items = plumbing.reduce(items.sum(), "sum")
-    # integers until the division: equal counts give exactly 1.0
-    share = items * plumbing.num_processes * steps
-    return share.double() / step_items.clamp(min=1).double()
-
-
 def loss_counter():
     """model.py's `loss_items(batch)`, or None: the task does not say what its loss averages over."""
     return getattr(fork_file("model"), "loss_items", None)
@@ -166,34 +143,6 @@ def training_model(cfg):
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
     return model
-
-
-@torch.no_grad()
-def evaluate(model, eval_loaders: dict, plumbing, cfg) -> dict:
-    """model.py's eval metrics over exactly the eval set, as eval_<metric>, computed on every rank. A
-    mixture's: over all its sources' eval sets together, and each source's as eval_<metric>/<name>."""
-    model.eval()
-    sums = {}  # (source, column): the column's sum over the source's eval set
-    # every rank evaluates with the buffers the export holds (BatchNorm's statistics; buffers.py)
-    with shared_buffers(model, plumbing.num_processes):
-        for source, eval_loader in eval_loaders.items():
-            for batch in eval_loader:
-                columns = eval_columns(model(**batch), batch)  # model.py's: per sample
-                # the sampler pads the last batches so every rank has as many; gather_for_metrics
-                # drops the copies
-                for name, values in plumbing.gather_for_metrics(columns).items():
-                    sums[source, name] = sums.get((source, name), 0.0) + values.sum()
-    model.train()
-    # one device-to-host copy
-    totals = dict(zip(sums, torch.stack(list(sums.values())).tolist(), strict=True))
-    names = dict.fromkeys(name for _, name in totals)
-    overall = {name: sum(v for (_, n), v in totals.items() if n == name) for name in names}
-    metrics = {f"eval_{key}": value for key, value in eval_metrics(overall, cfg).items()}
-    for source in eval_loaders:
-        if source:  # a mixture's source
-            own = {name: value for (s, name), value in totals.items() if s == source}
-            metrics.update({f"eval_{k}/{source}": v for k, v in eval_metrics(own, cfg).items()})
-    return metrics
 
 
 # ---------------------------------------------------------------- the checks at start-up

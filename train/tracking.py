@@ -12,17 +12,14 @@ import importlib.util
 import json
 import math
 import os
-import resource
 import secrets
 import time
 from dataclasses import asdict
 
-import torch
 import yaml
 from tqdm.auto import tqdm
 
 import task
-from blocks import flops_per_token
 from compiling import report as compile_report
 from config import TrainConfig
 from errors import first_line
@@ -352,7 +349,7 @@ def watched(row: dict) -> dict:
 
 
 def is_breakdown(key: str) -> bool:
-    """An eval metric of one class or one source (task.evaluate's eval_<metric>/<name>)."""
+    """An eval metric of one class or one source (evaluation.evaluate's eval_<metric>/<name>)."""
     return key.startswith("eval_") and "/" in key
 
 
@@ -396,82 +393,6 @@ def run_info_lines(run_info: dict) -> list[str]:
             lines.append(f"{title}: {', '.join(pairs)}")
     lines += [f"{key}: {value}" for key, value in run_info.items() if key not in grouped]
     return lines
-
-
-class Throughput:
-    """Samples/s, step time, peak memory, and where the task counts tokens (model.py's
-    tokens_per_sample) tokens/s and, on GPUs, MFU; since the last report or restart."""
-
-    def __init__(
-        self,
-        samples_per_step: int,
-        tokens_per_sample: int | None,
-        model: torch.nn.Module,
-        num_processes: int,
-        mixed_precision: str,
-    ):
-        self.samples_per_step = samples_per_step
-        self.tokens_per_step = samples_per_step * tokens_per_sample if tokens_per_sample else None
-        self.on_gpu = torch.cuda.is_available()
-        peak = peak_flops_per_gpu(torch.cuda.get_device_name()) if self.on_gpu else None
-        # MFU is against the bf16 tensor-core peak, so only quoted for bf16/fp16 runs; none on CPU
-        self.peak_flops = peak * num_processes if peak and mixed_precision != "no" else None
-        self.flops_per_token = flops_per_token(model)  # the model's own estimate, or 6 x parameters
-        self.restart()
-
-    def seen(self, step: int) -> dict:
-        """What the run has trained on by `step`: samples, and tokens where the task counts them."""
-        seen = {"samples_seen": step * self.samples_per_step}
-        if self.tokens_per_step:
-            seen["tokens_seen"] = step * self.tokens_per_step
-        return seen
-
-    def restart(self) -> None:  # after eval and checkpoints, which are not training time
-        self.start = time.perf_counter()
-        self.steps = 0
-
-    def step(self) -> None:
-        self.steps += 1
-
-    def report(self) -> dict:
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        rates = {
-            "samples_per_s": self.steps * self.samples_per_step / elapsed,
-            "step_time_s": elapsed / max(self.steps, 1),
-        }
-        if self.tokens_per_step:
-            rates["tokens_per_s"] = self.steps * self.tokens_per_step / elapsed
-        if self.peak_flops and self.tokens_per_step:
-            rates["mfu"] = rates["tokens_per_s"] * self.flops_per_token / self.peak_flops
-        # this process's (rank 0's, in metrics.jsonl): what DDP replicates and FSDP shards
-        if self.on_gpu:
-            rates["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        else:  # the process's peak resident memory, libraries included (Linux reports KiB)
-            rates["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        self.restart()
-        return rates
-
-
-# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, from the vendors' data sheets. Matched in
-# order against torch.cuda.get_device_name(); a GPU that is not listed gets no MFU figure rather
-# than a wrong one.
-PEAK_BF16_FLOPS = [
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("A10", 125e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
-]
-
-
-def peak_flops_per_gpu(device_name: str) -> float | None:
-    return next((flops for name, flops in PEAK_BF16_FLOPS if name in device_name), None)
 
 
 def _step_of(line: str) -> float:

@@ -19,7 +19,7 @@ DIST_TIMEOUT_S = 200
 def test_a_rank_whose_data_never_comes_is_named_and_every_rank_exits(tmp_path, corpus):
     """accelerate launch and main.py (the watch is the same code on the torch path: hangs.py, through
     main.train). Rank 1's 7th batch (step 7) never comes; rank 0 waits in step 7's first collective (the
-    sum of the step's counted tokens, task.loss_weights) for step_timeout_s. The job ends long before
+    sum of the step's counted tokens, batches.loss_weights) for step_timeout_s. The job ends long before
     dist_timeout_s, its one error line names rank 1 and
     where it was, and each rank's note is in hangs/, rank 1's with the stack where it is stuck."""
     run_dir = tmp_path / "run"

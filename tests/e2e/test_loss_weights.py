@@ -1,4 +1,4 @@
-"""The loss a step means (task.loss_weights): with prompts masked unevenly, the step's gradient is
+"""The loss a step means (batches.loss_weights): with prompts masked unevenly, the step's gradient is
 that of the mean over every token the step counts, whatever the gradient accumulation or the world
 size. Checked against an independent computation: the same 8 samples as one batch, in one process,
 in float64, with no template code in between (tests/helpers/uneven_masks: a float64 model whose
