@@ -323,3 +323,124 @@ def test_in_a_terminal_the_summary_is_the_last_thing_on_the_screen(tmp_path, cor
     assert "train: 100%" in screen, screen[-2000:]  # the bar was there, and finished
     summary = screen.index("done: step 6")
     assert screen.rindex("train: ") < summary, screen[summary - 500 :]
+
+
+@pytest.mark.parametrize(
+    "ancestors, argv, printed",
+    [
+        # python train/main.py from a shell: the shell is no launcher
+        ([["-bash"]], ["train/main.py", "--config", "x.yaml"], "python train/main.py"),
+        # accelerate launch, its options kept, the script's own flags replaced
+        (
+            [
+                [
+                    "/usr/bin/python3",
+                    "/usr/local/bin/accelerate",
+                    "launch",
+                    "--config_file",
+                    "c.yaml",
+                    "train/main.py",
+                    "--config",
+                    "x.yaml",
+                ],
+                ["-bash"],
+            ],
+            ["train/main.py", "--config", "x.yaml"],
+            "accelerate launch --config_file c.yaml train/main.py",
+        ),
+        # scripts/launch.py above accelerate launch: the outer command is the one a person typed
+        (
+            [
+                [
+                    "/usr/bin/python3",
+                    "/usr/local/bin/accelerate",
+                    "launch",
+                    "--config_file",
+                    "c.yaml",
+                    "train/main.py",
+                ],
+                [
+                    "/usr/bin/python3",
+                    "scripts/launch.py",
+                    "--config_file",
+                    "c.yaml",
+                    "train/main.py",
+                    "--lr",
+                    "0.1",
+                ],
+                ["-bash"],
+            ],
+            ["train/main.py", "--lr", "0.1"],
+            "python scripts/launch.py --config_file c.yaml train/main.py",
+        ),
+        # torchrun, and python -m torch.distributed.run
+        (
+            [
+                [
+                    "/usr/bin/python3",
+                    "/usr/local/bin/torchrun",
+                    "--nproc_per_node",
+                    "2",
+                    "train/torch_ddp.py",
+                    "--fsdp",
+                    "full",
+                ]
+            ],
+            ["train/torch_ddp.py", "--fsdp", "full"],
+            "torchrun --nproc_per_node 2 train/torch_ddp.py",
+        ),
+        (
+            [["/usr/bin/python3", "-m", "torch.distributed.run", "--standalone", "train/main.py"]],
+            ["train/main.py"],
+            "python -m torch.distributed.run --standalone train/main.py",
+        ),
+        # a sweep driver whose trial command holds the script is no launcher of it
+        (
+            [
+                ["/usr/bin/python3", "/usr/local/bin/accelerate", "launch", "train/main.py"],
+                [
+                    "/usr/bin/python3",
+                    "scripts/sweep.py",
+                    "--sweep_dir",
+                    "s",
+                    "--",
+                    "accelerate",
+                    "launch",
+                    "train/main.py",
+                ],
+            ],
+            ["train/main.py"],
+            "accelerate launch train/main.py",
+        ),
+        # torch_ddp.py --spawn N: its processes are its own children, the count kept
+        (
+            [["/usr/bin/python3", "train/torch_ddp.py", "--spawn", "2", "--lr", "0.1"], ["-bash"]],
+            ["train/torch_ddp.py", "--spawn", "2", "--lr", "0.1"],
+            "python train/torch_ddp.py --spawn 2",
+        ),
+    ],
+)
+def test_a_printed_command_launches_the_run_again_the_way_it_was_launched(
+    monkeypatch, ancestors, argv, printed
+):
+    """provenance.relaunch_command: the launcher and its options as a person types them, then the
+    script with the flags the printed line gives (quoted for a shell)."""
+    import provenance
+
+    chain = {100 + n: command for n, command in enumerate(ancestors)}  # pid 100: the parent
+    monkeypatch.setattr(provenance.os, "getpid", lambda: 99)
+    monkeypatch.setattr(provenance, "parent_of", lambda pid: pid + 1 if pid + 1 in chain else None)
+    monkeypatch.setattr(provenance, "process_command", chain.get)
+    monkeypatch.setattr(provenance.sys, "argv", argv)
+    flags = ("--output_dir", "runs/my run", "--resume", "latest")
+    assert (
+        provenance.relaunch_command(*flags)
+        == f"{printed} --output_dir 'runs/my run' --resume latest"
+    )
+
+
+def test_the_parent_of_this_process_is_read_from_proc():
+    import provenance
+
+    assert provenance.parent_of(os.getpid()) == os.getppid()
+    assert provenance.parent_of(2**22 + 12345) is None  # no such process
