@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from checks import check_devices
-from config import config_class
 from conftest import MAIN, REPO, base_env, tiny_args
 from errors import ConfigError
 from job import out_of_memory
 from profiling import ProfilerWindow, StartClock, profile_window, restart_line
+from run_config import config_class
 
 RunConfig = config_class()
 TRAIN = REPO / "train"

@@ -180,6 +180,7 @@ def train(cfg, accelerator: Plumbing) -> int:
         if saving or stopping:
             checkpointer.save(state.step)  # with async_save, written while training goes on
         if stopping:
+            profiler.close(every_rank=True)  # a window still open: its traces, and their line
             path = checkpointer.finish()  # written, voted and published before the exit
             log.stopped(state.step, stop_signals.signal_name, str(path))  # the vote's cause
             log.close()

@@ -58,7 +58,7 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     run_config = config_class()
     types = {f.name: f.type for f in fields(run_config)}
     from_file = (
-        shipped_model_section(_read_yaml(config_file), config_file, types) if config_file else {}
+        shipped_lm_section(_read_yaml(config_file), config_file, types) if config_file else {}
     )
     # a resume continues the run as it was configured: the commands a run prints need no --config
     saved_path, saved = resumed_run_config({**from_file, **overrides})
@@ -99,8 +99,9 @@ def resumed_run_config(given: dict) -> tuple[str, dict]:
     if text is None:
         return "", {}
     values = yaml.safe_load(text) or {}
-    # never carried over: how this start resumes is this command's to say
-    for key in ("resume", "require_resume", "init_from"):
+    # never carried over: how this start resumes is this command's to say, and the LR horizon is the
+    # checkpoint's to keep (resume.lr_horizon: a raised max_steps says what it does to it)
+    for key in ("resume", "require_resume", "init_from", "lr_decay_steps"):
         values.pop(key, None)
     return f"{path} (the run's own config, which a resume starts from)", values
 
@@ -117,7 +118,7 @@ def read_from_store(url: str) -> str | None:
         return None
 
 
-def shipped_model_section(values: dict, path: str, known) -> dict:
+def shipped_lm_section(values: dict, path: str, known) -> dict:
     """A preset's keys, flat. Its `lm:` section holds the shipped causal LM's own keys (its GPT's
     sizes, its block_size): they apply where model.py and data.py declare them, and a fork whose
     files do not runs without them, saying so in one line, so the presets work after any fork. Any

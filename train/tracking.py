@@ -170,6 +170,7 @@ class MetricsLogger:
 
     def stopped(self, step: int, signal_name: str, checkpoint: str) -> None:
         """A stop on a signal, with a checkpoint. Except after Ctrl-C, leave the requeue marker."""
+        self.close_bar()  # the line below is the last on the screen
         # the process that writes the run folder: on node-local disks and object storage (staging
         # folders), each node's, for each node's job script to read
         if is_writer(self.plumbing, self.folder.shared) and signal_name != "SIGINT":
@@ -184,6 +185,7 @@ class MetricsLogger:
         evaluation of the whole run, where the model is, and the next commands, each as it can be
         pasted (the launcher included; a resume reads the run's config.yaml). `samples_text`: a
         causal LM, which scripts/sample.py can write with."""
+        self.close_bar()  # the summary is the last thing on the screen
         minutes, seconds = divmod(round(time.monotonic() - self.started), 60)
         took = f"in {minutes} min {seconds} s"
         if self.first_step:  # a resumed run: what this start trained, the evaluations are the run's

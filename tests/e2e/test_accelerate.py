@@ -21,9 +21,9 @@ from conftest import (
     tiny_args,
     write_corpus,
 )
+from evaluation import evaluate
 from model import build_model
 from run_config import load_config
-from task import evaluate
 from torch_ddp import TorchDDP
 
 pytestmark = pytest.mark.slow
