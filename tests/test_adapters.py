@@ -4,12 +4,16 @@ peft's own PeftModel.from_pretrained, and merged with transformers' from_pretrai
 trained model's logits; the targets by name, and the one-line refusals at start-up. (Training on 2
 processes, the kill and resume under DDP and FSDP2: tests/e2e/test_lora_runs.py.)"""
 
+import json
+import sys
+
 import pytest
 import torch
 
 import checkpoint
 import task
 from adapters import trainable_weights
+from conftest import base_env, run
 from errors import ConfigError
 from job import load_checked_config
 from optim import build_optimizer
@@ -218,3 +222,39 @@ def test_an_adapter_checkpoint_part_counts_and_stages_the_adapters_alone():
         torch.equal(staged.weights[k], v) and staged.weights[k] is not v
         for k, v in adapters.items()
     )
+
+
+# a LoRA export in a process of its own: what the process's string hashing orders, it orders
+EXPORT = """
+import sys
+import torch
+sys.path.insert(0, "train")
+import checkpoint, task
+from run_config import config_class
+from torch_ddp import TorchDDP
+cfg = config_class()(n_layer=2, n_head=2, n_embd=16, block_size=8, lora_r=4, output_dir=sys.argv[1])
+torch.manual_seed(0)
+checkpoint.export_model(TorchDDP(cfg), task.training_model(cfg), cfg)
+"""
+
+
+def test_two_exports_of_the_same_adapter_are_the_same_files(tmp_path):
+    """adapter_config.json's target_modules was a set's order, which changes from process to process
+    (PYTHONHASHSEED): a resumed run's adapter folder differed from the uninterrupted one's though its
+    weights were the same bytes."""
+    folders = []
+    for seed in (1, 2):
+        folder = tmp_path / f"hash_seed_{seed}"
+        env = base_env(tmp_path, PYTHONHASHSEED=seed)
+        done = run([sys.executable, "-c", EXPORT, str(folder)], env, timeout=120)
+        assert done.returncode == 0, done.stdout
+        folders.append(folder)
+    names = sorted(p.name for p in folders[0].iterdir())
+    assert names == sorted(p.name for p in folders[1].iterdir())
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(names)
+    for name in names:
+        assert (folders[0] / name).read_bytes() == (folders[1] / name).read_bytes(), name
+    written = json.loads((folders[0] / "adapter_config.json").read_text())["target_modules"]
+    expected = [f"blocks.{b}.{layer}" for b in (0, 1) for layer in ("attn.proj", "attn.qkv")]
+    expected += [f"blocks.{b}.{layer}" for b in (0, 1) for layer in ("mlp.fc", "mlp.proj")]
+    assert written == sorted(expected)

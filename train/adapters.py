@@ -142,7 +142,11 @@ def write_adapter_config(folder, model: nn.Module, cfg) -> None:
     from peft.tuners.lora import LoraLayer
 
     adapted = [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
-    lora_config(cfg, adapted, base_model=cfg.hf_model or None).save_pretrained(str(folder))
+    config = lora_config(cfg, adapted, base_model=cfg.hf_model or None)
+    # peft keeps them as a set, written in an order that changes from process to process (string
+    # hashing): sorted, the same adapter is the same file, as its weights are
+    config.target_modules = sorted(config.target_modules)
+    config.save_pretrained(str(folder))
 
 
 def trainable_weights(module: nn.Module) -> dict[str, torch.Tensor]:
