@@ -51,6 +51,9 @@ def test_only_the_adapters_of_the_blocks_linear_layers_train_and_sit_in_the_opti
         for ab in "AB"
     }
     assert trainable == expected
+    # lora_alpha not given (0): the scale is 16 / r, as before it could be told from a given 16
+    scales = {m.scaling["default"] for m in model.modules() if hasattr(m, "scaling")}
+    assert scales == {16 / 4}
     optimizer = build_optimizer(model, cfg)
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}

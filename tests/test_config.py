@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from config import TrainConfig
+from config import ADAPTERS_ONLY, TrainConfig
 from conftest import REPO, base_env, free_port, run, run_python
 from errors import ConfigError
 from job import load_checked_config
@@ -137,6 +137,7 @@ def test_bad_yaml_files(tmp_path):
     [
         (["--lr", "-1"], "error: lr must be > 0 (got -1.0)"),
         (["--config", "{broken}"], "error: config: "),
+        (["--lora_r", "0", "--lora_alpha", "32"], "error: lora_alpha needs lora_r > 0 (lora_r 0 "),
     ],
 )
 def test_entry_point_prints_one_line_exits_2_and_writes_nothing(tmp_path, argv, message):
@@ -460,8 +461,14 @@ REFUSED = [
         "optimizer muon cannot run under FSDP: Muon orthogonalizes each whole weight matrix, and FSDP2 "
         "gives each process a shard of it (train with DDP, or with optimizer adamw)",
     ),
-    (["--lora_r", "8", "--lora_alpha", "0"], "lora_alpha must be > 0 (got 0.0)"),
-    (["--merge_adapter", "true"], "merge_adapter needs lora_r > 0 (got True)"),
+    (["--lora_r", "8", "--lora_alpha", "-1"], "lora_alpha must be > 0 (0: not given) (got -1.0)"),
+    # given without adapters: a full fine-tune that ignores them, refused; 16 too, the scale that
+    # lora_alpha's "not given" (0) stands for
+    (["--lora_alpha", "16"], f"lora_alpha {ADAPTERS_ONLY} (got 16.0)"),
+    (["--lora_r", "0", "--lora_alpha", "32"], f"lora_alpha {ADAPTERS_ONLY} (got 32.0)"),
+    (["--lora_targets", "q_proj"], f"lora_targets {ADAPTERS_ONLY} (got 'q_proj')"),
+    (["--lora_dropout", "0.1"], f"lora_dropout {ADAPTERS_ONLY} (got 0.1)"),
+    (["--merge_adapter", "true"], f"merge_adapter {ADAPTERS_ONLY} (got True)"),
     (["--straggler_factor", "1"], "straggler_factor must be > 1 (got 1.0)"),
 ]
 
@@ -503,7 +510,8 @@ def test_the_shipped_data_keys_are_checked_in_data_py(argv, line):
         ["--eval_fraction", "0.999"],
         ["--beta1", "0", "--beta2", "0.9999", "--muon_momentum", "0", "--lora_dropout", "0"],
         ["--fsdp", "full"],  # shared_filesystem is true by default
-        ["--lora_r", "0", "--lora_alpha", "0"],  # lora_alpha matters only with adapters
+        ["--lora_r", "0", "--lora_alpha", "0"],  # 0: not given
+        ["--lora_r", "8", "--lora_alpha", "0"],  # not given: 16
         ["--lora_r", "1", "--merge_adapter", "true"],
         ["--straggler_factor", "1.01"],
         ["--tracker", "none"],
@@ -652,6 +660,18 @@ def test_bad_yaml_files_are_their_whole_line(tmp_path):
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing set yet\n")
     assert load_config(["--config", str(empty)]) == load_config([])
+
+
+def test_a_run_s_config_yaml_reloads_with_the_lora_keys_it_did_not_give(tmp_path):
+    """config.yaml holds every key, the LoRA keys of a run without adapters too: as not given."""
+    import dataclasses
+
+    import yaml
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(dataclasses.asdict(load_config(["--batch_size", "4"]))))
+    reloaded = load_config(["--config", str(saved)])
+    assert (reloaded.batch_size, reloaded.lora_r, reloaded.lora_alpha) == (4, 0, 0.0)
 
 
 def test_saved_config_reads_what_a_run_wrote_and_leaves_out_unknown_keys(tmp_path):

@@ -27,6 +27,7 @@ from errors import ConfigError
 ADAPTER_NAME = "default"  # peft's name for a model's one adapter
 # peft's key prefix in adapter_model.safetensors, which PeftModel.from_pretrained expects
 PEFT_PREFIX = "base_model.model."
+DEFAULT_LORA_ALPHA = 16.0  # lora_alpha's value where it is not given (config.py: 0)
 
 
 def add_lora(model: nn.Module, cfg) -> nn.Module:
@@ -42,7 +43,7 @@ def lora_config(cfg, targets: list[str], base_model: str | None = None):
 
     return LoraConfig(
         r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha,
+        lora_alpha=cfg.lora_alpha or DEFAULT_LORA_ALPHA,
         lora_dropout=cfg.lora_dropout,
         target_modules=targets,
         bias="none",

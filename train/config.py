@@ -93,8 +93,9 @@ class TrainConfig:
     # LoRA rank: > 0 trains low-rank adapters on the frozen model (only they sit in the optimizer
     # and the checkpoints); 0 = every weight trains
     lora_r: int = 0
-    # LoRA scale: the update is lora_alpha / lora_r x B A
-    lora_alpha: float = 16.0
+    # LoRA scale: the update is lora_alpha / lora_r x B A; 0 = not given: 16 (a value given needs
+    # lora_r > 0, as lora_dropout and lora_targets do)
+    lora_alpha: float = 0.0
     # dropout on the adapters' input
     lora_dropout: float = 0.0
     # the linear layers that get an adapter, comma-separated module names (matched as peft does: the
@@ -295,10 +296,11 @@ class TrainConfig:
         _require("dataset_split", self.dataset_split != "", "must not be empty", self.dataset_split)
         if self.optimizer == "muon" and self.fsdp != "no":
             raise ConfigError(MUON_UNDER_FSDP)
-        if self.lora_r:
-            _require("lora_alpha", self.lora_alpha > 0, "must be > 0", self.lora_alpha)
-        merging_needs_lora = not self.merge_adapter or self.lora_r > 0
-        _require("merge_adapter", merging_needs_lora, "needs lora_r > 0", self.merge_adapter)
+        _require("lora_alpha", self.lora_alpha >= 0, "must be > 0 (0: not given)", self.lora_alpha)
+        # given without adapters, they would change nothing: a full fine-tune, unsaid
+        for key in ("lora_alpha", "lora_dropout", "lora_targets", "merge_adapter"):
+            adapters_given = getattr(self, key) and not self.lora_r
+            _require(key, not adapters_given, ADAPTERS_ONLY, getattr(self, key))
         factor_ok = self.straggler_factor > 1
         _require("straggler_factor", factor_ok, "must be > 1", self.straggler_factor)
 
@@ -349,6 +351,7 @@ CHOICES = {
 }
 
 
+ADAPTERS_ONLY = "needs lora_r > 0 (lora_r 0 trains every weight, without adapters)"
 MUON_UNDER_FSDP = (
     "optimizer muon cannot run under FSDP: Muon orthogonalizes each whole weight matrix, and FSDP2 "
     "gives each process a shard of it (train with DDP, or with optimizer adamw)"
