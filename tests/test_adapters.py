@@ -1,8 +1,9 @@
 """LoRA adapters (train/adapters.py), in one process: only the adapters train and sit in the
 optimizer; a checkpoint's model part holds them alone and restores them; the export loads with
 peft's own PeftModel.from_pretrained, and merged with transformers' from_pretrained, with the
-trained model's logits; the targets by name, and the one-line refusals at start-up. (Training on 2
-processes, the kill and resume under DDP and FSDP2: tests/e2e/test_lora_runs.py.)"""
+trained model's logits, and two exports of one adapter (in two processes) are the same files; the
+targets by name, the start-up line of what trains, and the one-line refusals at start-up. (Training
+on 2 processes, the kill and resume under DDP and FSDP2: tests/e2e/test_lora_runs.py.)"""
 
 import json
 import sys
@@ -261,3 +262,28 @@ def test_two_exports_of_the_same_adapter_are_the_same_files(tmp_path):
     expected = [f"blocks.{b}.{layer}" for b in (0, 1) for layer in ("attn.proj", "attn.qkv")]
     expected += [f"blocks.{b}.{layer}" for b in (0, 1) for layer in ("mlp.fc", "mlp.proj")]
     assert written == sorted(expected)
+
+
+def test_a_lora_run_says_its_trainable_parameters_at_start_up():
+    """The start-up lines say how many parameters train (the adapters: r x (in + out) for each
+    adapted layer, counted here from the GPT's sizes) of how many in all; a run without adapters
+    trains all of them and says nothing more."""
+    from types import SimpleNamespace
+
+    from tracking import run_info, run_info_lines
+
+    plumbing = SimpleNamespace(num_processes=1, mixed_precision="no")
+    data = SimpleNamespace(train_set=range(10), eval_sets={"": range(2)})
+    width, r = GPT["n_embd"], 4
+    # per block: attn.qkv (width -> 3 width), attn.proj (width -> width), mlp.fc (width -> 4
+    # width), mlp.proj (4 width -> width)
+    per_block = r * ((width + 3 * width) + (width + width) + 2 * (width + 4 * width))
+    adapters = GPT["n_layer"] * per_block
+    plain = sum(p.numel() for p in task.build_model(RunConfig(**GPT)).parameters())
+    cfg = RunConfig(**GPT, lora_r=r)
+    lines = run_info_lines(run_info(cfg, plumbing, task.training_model(cfg), data))
+    total = plain + adapters
+    said = f"trainable: {adapters:,} parameters of {total:,} ({adapters / total:.1%})"
+    assert [line for line in lines if line.startswith("trainable")] == [said]
+    full = run_info_lines(run_info(RunConfig(**GPT), plumbing, task.build_model(cfg), data))
+    assert not [line for line in full if "trainable" in line]

@@ -388,11 +388,15 @@ def run_info_lines(run_info: dict) -> list[str]:
     """output_dir, then a few lines of `key value` pairs; an unknown value (None) is left out, and a
     key of a fork's own gets a line of its own."""
     lines = [f"output_dir: {run_info.get('output_dir')}"]
-    grouped = {key for keys in RUN_INFO_LINES.values() for key in keys} | {"output_dir"}
+    grouped = {key for keys in RUN_INFO_LINES.values() for key in keys}
+    grouped |= {"output_dir", "trainable_parameters"}
     for title, keys in RUN_INFO_LINES.items():
         pairs = [f"{key} {run_info[key]}" for key in keys if run_info.get(key) is not None]
         if pairs:
             lines.append(f"{title}: {', '.join(pairs)}")
+    trained, total = run_info.get("trainable_parameters"), run_info.get("parameters")
+    if trained is not None and trained < total:  # LoRA's adapters, or a model with frozen layers
+        lines.append(f"trainable: {trained:,} parameters of {total:,} ({trained / total:.1%})")
     lines += [f"{key}: {value}" for key, value in run_info.items() if key not in grouped]
     return lines
 
@@ -430,6 +434,7 @@ def run_info(cfg: TrainConfig, plumbing, plain_model, data) -> dict:
         "train_samples": "streamed" if cfg.streaming else len(data.train_set),
         "eval_samples": sum(len(eval_set) for eval_set in data.eval_sets.values()),
         "parameters": sum(p.numel() for p in plain_model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in plain_model.parameters() if p.requires_grad),
     }
 
 
