@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -398,49 +399,29 @@ def baseline_args(output_dir: Path, corpus: Path, **overrides) -> list[str]:
     return tiny_args(output_dir, corpus, dropout=0.1, grad_accum_steps=2, **overrides)
 
 
+def script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not put on the path: its evaluate.py would shadow the
+    `evaluate` package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# the tiny Hugging Face models, tokenizers and chats are made as users make theirs
+# (python scripts/tiny_chat_model.py OUT_DIR), by the same functions
+tiny_chat_model = script("tiny_chat_model")
+save_tiny_llama = tiny_chat_model.save_tiny_llama
+write_chats = tiny_chat_model.write_chats
+
+
 @pytest.fixture(scope="session")
 def bpe_tokenizer(tmp_path_factory, corpus) -> Path:
-    """A byte-level BPE tokenizer of 320 tokens (more than a byte holds), trained offline on the test corpus with
-    the `tokenizers` library and saved as a Hugging Face tokenizer folder; its EOS is <|endoftext|>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """A byte-level BPE tokenizer of 320 tokens (more than a byte holds), trained offline on the test corpus
+    and saved as a Hugging Face tokenizer folder; its EOS is <|endoftext|>."""
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer, tokenizer.decoder = (
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-        decoders.ByteLevel(),
-    )
-    tokenizer.train_from_iterator(
-        texts,
-        trainers.BpeTrainer(
-            vocab_size=320,
-            special_tokens=["<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
     folder = tmp_path_factory.mktemp("bpe")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(
-        folder
-    )
-    return folder
-
-
-def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0, positions: int = 64) -> Path:
-    """A 2-layer Llama-style causal LM made from a config (41 k parameters), saved as a Hugging Face model folder."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=positions,
-    )
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tiny_chat_model.train_bpe_tokenizer(texts).save_pretrained(folder)
     return folder
 
 
@@ -453,28 +434,13 @@ def tiny_llama(tmp_path_factory, bpe_tokenizer) -> Path:
     )
 
 
-# ChatML, as many instruct models write it, with {% generation %} around what the assistant says:
-# transformers' return_assistant_tokens_mask reads those marks, an independent view of the tokens
-# examples/chat_sft/data.py counts (it finds them itself, turn by turn)
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}"
-    "{%- else %}{{ message['content'] + '<|im_end|>' + '\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
 @pytest.fixture(scope="session")
 def chat_tokenizer(tmp_path_factory, bpe_tokenizer) -> Path:
-    """The BPE tokenizer with ChatML's two special tokens and a chat template, saved as a folder."""
+    """The BPE tokenizer with ChatML's two special tokens and a chat template whose {% generation %}
+    marks what the assistant says (tiny_chat_model.CHAT_TEMPLATE), saved as a folder."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = tiny_chat_model.with_chat_template(AutoTokenizer.from_pretrained(bpe_tokenizer))
     folder = tmp_path_factory.mktemp("chat_tokenizer")
     tokenizer.save_pretrained(folder)
     return folder
@@ -482,51 +448,12 @@ def chat_tokenizer(tmp_path_factory, bpe_tokenizer) -> Path:
 
 @pytest.fixture(scope="session")
 def chat_llama(tmp_path_factory, chat_tokenizer) -> Path:
-    """A tiny Llama sized to the chat tokenizer, with its tokenizer beside it (as a hub checkpoint is):
-    --hf_model FOLDER alone is enough."""
+    """A tiny Llama sized to the chat tokenizer (128 positions), with its tokenizer beside it (as a hub
+    checkpoint is): --hf_model FOLDER alone is enough."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
-    # 128 positions: the test conversations are up to ~110 tokens
-    folder = save_tiny_llama(tmp_path_factory.mktemp("chat_llama"), len(tokenizer), positions=128)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def write_chats(path: Path, n: int = 96) -> Path:
-    """Learnable conversations as chat JSON lines: the user gives a word and an instruction, the
-    assistant answers it reversed or upper-cased; some with a system turn, some with two exchanges,
-    of different lengths (so micro-batches count different numbers of assistant tokens)."""
-    import random
-
-    rng = random.Random(0)
-    words = [
-        "alpha",
-        "river",
-        "stone",
-        "cloud",
-        "maple",
-        "tiger",
-        "ocean",
-        "ember",
-        "lunar",
-        "pixel",
-    ]
-    with open(path, "w") as f:
-        for i in range(n):
-            messages = []
-            if i % 3 == 0:
-                messages.append({"role": "system", "content": "Be brief."})
-            for _ in range(1 + (i % 4 == 0)):
-                word = " ".join(rng.choice(words) for _ in range(rng.randint(1, 2)))
-                if rng.random() < 0.5:
-                    messages.append({"role": "user", "content": f"reverse: {word}"})
-                    messages.append({"role": "assistant", "content": word[::-1]})
-                else:
-                    messages.append({"role": "user", "content": f"upper: {word}"})
-                    messages.append({"role": "assistant", "content": word.upper()})
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
+    return tiny_chat_model.save_chat_model(tmp_path_factory.mktemp("chat_llama"), tokenizer)
 
 
 def model_declares_blocks() -> bool:
