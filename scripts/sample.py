@@ -2,10 +2,11 @@
 
     python scripts/sample.py runs/run_001 --prompt "def main(" --max_new_tokens 200 --temperature 0.8 --top_k 40
     python scripts/sample.py runs/run_001/checkpoints/step_00000200 --seed 1
-    python scripts/sample.py runs/chat_001 --chat "How do I reverse a list?" --temperature 0   # a chat model
+    python scripts/sample.py runs/chat_001 --chat --prompt "How do I reverse a list?" --temperature 0
 
-With --chat the prompt is a user's message: it goes through the tokenizer's chat template (an
-assistant's turn follows), and the answer ends at the end of the assistant's turn.
+With --chat (a chat model's: a chat run's summary prints the command with it) the prompt is a user's
+message: it goes through the tokenizer's chat template (an assistant's turn follows), and the answer
+ends at the end of the assistant's turn.
 
 The built-in GPT and Hugging Face models alike, with the run's own tokenizer (bytes or Hugging Face). The same
 seed gives the same text. A sharded (FSDP) checkpoint is made one file first with scripts/consolidate.py.

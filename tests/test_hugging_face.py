@@ -238,3 +238,30 @@ def test_sample_chats_through_the_template_and_stops_at_the_end_of_the_turn(chat
     assert reply == "WX"
     with pytest.raises(ConfigError, match="chat template"):
         sample.chat_prompt(None, "hi")
+
+
+def test_every_documented_sample_command_is_one_sample_py_takes(tmp_path):
+    """The README, sample.py's docstring and the chat example wrote `--chat "text"`, which sample.py
+    refuses (--chat takes no value). Each command as written goes through sample.py's own argument
+    parser to the run folder (one that does not exist here), where a refused one stops first."""
+    import re
+    import shlex
+
+    sample = sample_script()
+    documents = [REPO / "README.md", REPO / "scripts" / "sample.py"]
+    for folder, pattern in (("examples", "*.py"), ("examples", "*.md"), ("docs", "*.md")):
+        documents += sorted((REPO / folder).rglob(pattern))
+    commands = [
+        (document.name, command)
+        for document in documents
+        for command in re.findall(r"python scripts/sample\.py ([^`\n]+)", document.read_text())
+    ]
+    assert any("--chat" in command for _, command in commands)
+    absent = str(tmp_path / "absent_run")
+    for document, command in commands:
+        written = shlex.split(command, comments=True)
+        arguments = [absent if a.startswith(("runs/", "RUN")) else a for a in written]
+        with pytest.raises(SystemExit) as stopped:
+            sample.main(arguments)
+        past_the_arguments = f"error: {absent} has no config.yaml: pass a run folder or one of its"
+        assert str(stopped.value.code).startswith(past_the_arguments), (document, command)

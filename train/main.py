@@ -196,7 +196,7 @@ def train(cfg, accelerator: Plumbing) -> int:
     if cfg.eval_tasks:  # lm-evaluation-harness on the export, by the main process (harness.py)
         log.log(state.step, evaluate_export(accelerator, cfg))
     # wall time, the final and best evaluation, the next commands
-    log.finished(state.step, path, samples_text=task.tokens_per_sample(cfg) is not None)
+    log.finished(state.step, path)
     # finishes the trackers (the process group is closed by job.run_or_exit, on every way out)
     log.close()
     return 0

@@ -21,6 +21,8 @@ below, by these names (README "Make it yours"):
                                               at start-up (raise errors.ConfigError naming the key)
               ModelConfig                     optional: a dataclass of the model's own keys (config.py
                                               adds them to the template's: YAML, --flags, --help)
+              CHAT_MODEL = True               optional: scripts/sample.py talks to it with --chat
+                                              (the prompt a user's turn); the summary says so
     data.py   build_datasets(cfg)             (train, eval): map-style datasets of samples
               collate(samples) -> dict        the model's keyword arguments
               packer(cfg)                     only with --streaming (streaming.py packs documents)
@@ -110,6 +112,15 @@ def tokens_per_sample(cfg) -> int | None:
     if count is None:
         return None
     return count(cfg)
+
+
+def sample_flags(cfg) -> str | None:
+    """scripts/sample.py's flags for this task's export, as the run's summary prints them: a chat
+    model's (model.py's CHAT_MODEL) with --chat, a causal LM's (it counts tokens) without, and None
+    where the model writes no text (images)."""
+    if getattr(fork_file("model"), "CHAT_MODEL", False):
+        return '--chat --prompt "..."'
+    return '--prompt "..."' if tokens_per_sample(cfg) is not None else None
 
 
 def data_identity(dataset) -> str | None:

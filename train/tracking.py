@@ -180,11 +180,11 @@ class MetricsLogger:
             + relaunch_command("--output_dir", self.cfg.output_dir, "--resume", "latest")
         )
 
-    def finished(self, step: int, model_path, samples_text: bool) -> None:
+    def finished(self, step: int, model_path) -> None:
         """The run's summary, once it has exported: this start's wall time, the last and the best
         evaluation of the whole run, where the model is, and the next commands, each as it can be
-        pasted (the launcher included; a resume reads the run's config.yaml). `samples_text`: a
-        causal LM, which scripts/sample.py can write with."""
+        pasted (the launcher included; a resume reads the run's config.yaml): scripts/sample.py's
+        with the flags of the task's model, where it writes text (task.sample_flags)."""
         self.close_bar()  # the summary is the last thing on the screen
         minutes, seconds = divmod(round(time.monotonic() - self.started), 60)
         took = f"in {minutes} min {seconds} s"
@@ -202,8 +202,9 @@ class MetricsLogger:
         run = self.cfg.output_dir
         lines.append(f"model: {model_path}")
         lines.append(f"curves: python scripts/plot_metrics.py {run}")
-        if samples_text:
-            lines.append(f'samples: python scripts/sample.py {run} --prompt "..."')
+        sample_flags = task.sample_flags(self.cfg)
+        if sample_flags:
+            lines.append(f"samples: python scripts/sample.py {run} {sample_flags}")
         further = str(2 * step)
         lines.append(
             f"train on to step {further} (the LR schedule stretched to it): "

@@ -9,7 +9,8 @@ the same, whatever the accumulation or world size (task.loss_weights). The eval 
 accuracy and perplexity per assistant token. The export is the Hugging Face model folder with the
 tokenizer and its chat template: `AutoModelForCausalLM.from_pretrained(run)` (with --lora_r, the
 adapter for `PeftModel.from_pretrained`, or merged with --merge_adapter), and
-`python scripts/sample.py RUN --chat "..."` talks to it.
+`python scripts/sample.py RUN --chat --prompt "..."` talks to it (CHAT_MODEL: the run's summary
+prints that command).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import torch.nn as nn
 
 from errors import ConfigError
 from lm import counted_targets, hugging_face_model, token_columns, token_metrics, uses_hub_model
+
+# a chat model: a prompt goes in as a user's turn through its chat template (task.sample_flags: the
+# run's summary prints scripts/sample.py's command with --chat)
+CHAT_MODEL = True
 
 
 def check_config(cfg) -> None:

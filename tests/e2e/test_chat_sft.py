@@ -13,9 +13,13 @@ different numbers of assistant tokens):
       #4206's failure), and the run ends with the Accelerate run's losses, evaluations and exported
       weights, to the bit. The checkpoints hold the adapters alone. (FSDP2 and adapters:
       tests/e2e/test_lora_runs.py.)
+    - what the run says: at start-up its trainable parameters (the adapters counted by hand from
+      the base model's sizes); in its summary the sample command with
+      --chat, which, pasted with a prompt, answers (the reply alone, a chat model's).
 """
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -30,6 +34,7 @@ from conftest import (
     launch_torchrun,
     load_weights,
     read_metrics,
+    run_python,
     tiny_args,
     write_chats,
 )
@@ -83,15 +88,20 @@ def trained(chat):
     ).check()
 
 
+def held_out_conversations(chats: Path):
+    import datasets
+
+    every = datasets.load_dataset("json", data_files={"train": [str(chats)]})["train"]
+    return every.train_test_split(test_size=0.1, seed=0)["test"]  # data.py's split
+
+
 def independent_eval(run_dir: Path, chats: Path) -> dict:
     """Loss and accuracy per assistant token over the held-out conversations, one at a time."""
-    import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(run_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(run_dir)
-    every = datasets.load_dataset("json", data_files={"train": [str(chats)]})["train"]
-    held_out = every.train_test_split(test_size=0.1, seed=0)["test"]  # data.py's split
+    held_out = held_out_conversations(chats)
     loss, right, counted = 0.0, 0, 0
     for messages in held_out["messages"]:
         marked = tokenizer.apply_chat_template(
@@ -158,3 +168,28 @@ def test_the_torch_path_killed_and_resumed_ends_bitwise_as_the_accelerate_run(ch
     assert all(weights[key].equal(baseline[key]) for key in weights)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["model_type"] == "llama"
+
+
+def test_the_run_says_what_trains_and_how_to_talk_to_it(chat, trained):
+    from transformers import AutoModelForCausalLM
+
+    output = trained.output
+    # r x (in + out) for each adapted layer, from the base model's sizes
+    sizes = json.loads((chat.chat_llama / "config.json").read_text())
+    width, inner, r = sizes["hidden_size"], sizes["intermediate_size"], 8
+    key_value = sizes["num_key_value_heads"] * width // sizes["num_attention_heads"]
+    attention = 2 * (width + width) + 2 * (width + key_value)  # q_proj, o_proj; k_proj, v_proj
+    per_layer = r * (attention + 2 * (width + inner) + (inner + width))  # gate, up; down
+    adapters = sizes["num_hidden_layers"] * per_layer + r * (width + sizes["vocab_size"])
+    base = AutoModelForCausalLM.from_pretrained(chat.chat_llama).num_parameters()
+    total = base + adapters
+    assert f"trainable: {adapters:,} parameters of {total:,} ({adapters / total:.1%})" in output
+    # the summary's command, as a person pastes it with a prompt of theirs
+    samples = [line for line in output.splitlines() if line.startswith("samples: ")]
+    command = f'python scripts/sample.py {trained.output_dir} --chat --prompt "..."'
+    assert samples == [f"samples: {command}"]
+    pasted = shlex.split(command.replace("...", "reverse: river stone"))
+    script = chat.fork / "scripts" / "sample.py"  # the fork's: its model.py is the chat one
+    answer = run_python([*pasted[2:], "--temperature", "0"], chat.root, script=script).check()
+    # the reply alone, as --chat prints it (without it, the prompt comes back continued as text)
+    assert "reverse: river stone" not in answer.output, answer.output
