@@ -3,8 +3,10 @@ at start-up, never a crash mid-training. A label cell that is empty or not an in
 file, the line and the column; a label outside a dataset's classes likewise; an image folder with one
 class says so, an empty class folder is one warning line; a truncated image names its file (also
 when a DataLoader worker meets it). The chat example: its masks against the chat template's own
-marks of the assistant's tokens, its packing, and its bad input (no chat columns, a conversation
-without an assistant turn, a tokenizer without a chat template)."""
+marks of the assistant's tokens, its packing, a local folder's validation file as the eval set,
+messages as written (text parts joined, a "9" kept a string), and its bad input (no chat columns, a
+conversation without an assistant turn, a malformed line, an image part, a tokenizer without a chat
+template), each line naming the file and the line."""
 
 import importlib.util
 import json
@@ -210,7 +212,7 @@ def test_chat_packing_keeps_conversations_whole_in_order_with_their_own_position
         ([{"text": "hello"}], "has neither a 'messages' column"),
         (
             [{"messages": [{"role": "user", "content": "hi"}]}],
-            "conversation 1 has no assistant turn",
+            "chats.jsonl line 1 has no assistant turn",
         ),
         ([{"messages": [{"role": "user"}]}], "every message needs a 'role' and a 'content'"),
     ],
@@ -252,3 +254,165 @@ def test_prompt_and_response_columns_are_one_exchange(tmp_path, chat_tokenizer):
     answers = "".join(counted)
     assert all(f"W{i}<|im_end|>" in answers for i in range(12))
     assert "upper" not in answers
+
+
+# ---------------------------------------------------------------- the chat example's local files
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def exchange(question: str, answer: str, **extra) -> dict:
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return {"messages": turns, **extra}
+
+
+def answered_in(blocks, tokenizer) -> list[str]:
+    """What each conversation in the blocks is trained to say: its counted tokens, decoded (a
+    conversation starts where the positions restart at 0; padding counts nothing)."""
+    said = []
+    for block in blocks:
+        positions, labels = block["position_ids"].tolist(), block["labels"].tolist()
+        starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+        for start, end in zip(starts, starts[1:], strict=False):
+            counted = [t for t in labels[start:end] if t != -100]
+            if counted:
+                said.append(tokenizer.decode(counted))
+    return said
+
+
+def answers(rows: list[dict]) -> list[str]:
+    """What the template marks as each conversation's answers (ChatML: content, then <|im_end|>)."""
+    return [
+        "".join(m["content"] + "<|im_end|>\n" for m in row["messages"] if m["role"] == "assistant")
+        for row in rows
+    ]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"train": "train.jsonl", "validation": "validation.jsonl"},
+        {"train": "train/part-0.jsonl", "validation": "validation/part-0.jsonl"},
+        {"train": "chats_train.jsonl", "validation": "chats_dev.jsonl"},  # datasets' own names
+    ],
+    ids=["files", "folders", "dev"],
+)
+def test_a_local_folder_s_validation_file_is_the_eval_set_and_the_start_up_says_so(
+    tmp_path, chat_tokenizer, capsys, layout
+):
+    """Before: the folder was one train split, and 5% of it was held out, without a word."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "chats"
+    train_rows = [exchange(f"upper: w{i}", f"W{i}") for i in range(30)]
+    eval_rows = [exchange(f"reverse: w{i}", f"{i}w") for i in range(12)]
+    write_jsonl(folder / layout["train"], train_rows)
+    write_jsonl(folder / layout["validation"], eval_rows)
+    chat = example_data("chat_sft")
+    train, held_out = chat.build_datasets(
+        Cfg(dataset=str(folder), tokenizer_name=str(chat_tokenizer), eval_fraction=0.05)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    assert sorted(answered_in(held_out, tokenizer)) == sorted(answers(eval_rows))
+    assert sorted(answered_in(train, tokenizer)) == sorted(answers(train_rows))  # none held out
+    out = capsys.readouterr().out
+    assert f"eval set: the validation split of {folder} (12 conversations)\n" in out
+
+
+def test_a_file_without_a_validation_split_holds_eval_fraction_out_and_says_so(
+    tmp_path, chat_tokenizer, capsys
+):
+    from transformers import AutoTokenizer
+
+    rows = [exchange(f"upper: w{i}", f"W{i}") for i in range(40)]
+    path = write_jsonl(tmp_path / "chats.jsonl", rows)
+    chat = example_data("chat_sft")
+    train, held_out = chat.build_datasets(
+        Cfg(dataset=str(path), tokenizer_name=str(chat_tokenizer), eval_fraction=0.1)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    held = answered_in(held_out, tokenizer)
+    assert len(held) == 4 and sorted(held + answered_in(train, tokenizer)) == sorted(answers(rows))
+    assert (
+        f"eval set: 10% of {path}'s train split held out (eval_fraction; 4 conversations)\n"
+        in capsys.readouterr().out
+    )
+
+
+def test_messages_are_read_as_written_and_text_parts_are_joined(tmp_path, chat_tokenizer):
+    """OpenAI's list of parts in one conversation made datasets type every content as JSON, and read
+    another conversation's answer "9" as the number 9 (its error then named that one)."""
+    from transformers import AutoTokenizer
+
+    parts = [{"type": "text", "text": "what is"}, {"type": "text", "text": "4 + 5?"}]
+    asked_in_parts = [{"role": "user", "content": parts}, {"role": "assistant", "content": "9"}]
+    rows = [
+        exchange("what is 4 + 5?", "9"),
+        {"messages": asked_in_parts},
+        exchange("and 1 + 1?", "2", source="quiz"),  # a key of its own: not read
+    ] * 4
+    path = write_jsonl(tmp_path / "chats.jsonl", rows)
+    chat = example_data("chat_sft")
+    train, held_out = chat.build_datasets(
+        Cfg(dataset=str(path), tokenizer_name=str(chat_tokenizer), eval_fraction=0.25)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    said = answered_in(train, tokenizer) + answered_in(held_out, tokenizer)
+    assert sorted(said) == sorted(["9<|im_end|>\n"] * 8 + ["2<|im_end|>\n"] * 4)
+    # the parts, joined a line apart, are what the template renders as the user's turn
+    joined = [{"role": "user", "content": "what is\n4 + 5?"}, {"role": "assistant", "content": "9"}]
+    expected = tokenizer.apply_chat_template(joined, tokenize=True, return_dict=True)["input_ids"]
+    assert chat.encode(chat.json_rows(path)[1]["messages"], tokenizer)[0] == expected
+
+
+IMAGE_PART = {
+    "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}}]},
+        {"role": "assistant", "content": "a cat"},
+    ]
+}
+
+
+@pytest.mark.parametrize(
+    "third_line, said",
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}', "line 3 is not valid JSON: Expecting"),
+        (
+            json.dumps(IMAGE_PART),
+            "line 3: a message has a part of type 'image_url'; chat fine-tuning here reads text",
+        ),
+        ('{"messages": [{"role": "user", "content": 9}]}', "line 3: every message needs a 'role'"),
+    ],
+    ids=["malformed", "image part", "number"],
+)
+def test_a_bad_line_is_one_line_naming_the_file_and_the_line(
+    tmp_path, chat_tokenizer, third_line, said
+):
+    good = json.dumps(exchange("upper: a", "A"))
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join([good, good, third_line, good]) + "\n")
+    chat = example_data("chat_sft")
+    with pytest.raises(ConfigError) as error:
+        chat.build_datasets(Cfg(dataset=str(path), tokenizer_name=str(chat_tokenizer)))
+    assert the_line(error.value).startswith(f"dataset: {path} {said}")
+
+
+def test_conversations_that_end_on_a_user_turn_are_one_warning_with_their_count(
+    tmp_path, chat_tokenizer, capsys
+):
+    asked_again = [*exchange("upper: a", "A")["messages"], {"role": "user", "content": "and b?"}]
+    unanswered = {"messages": asked_again}
+    folder = tmp_path / "chats"
+    write_jsonl(folder / "train.jsonl", [exchange("upper: b", "B")] * 6 + [unanswered] * 3)
+    write_jsonl(folder / "validation.jsonl", [unanswered, exchange("upper: c", "C")])
+    chat = example_data("chat_sft")
+    chat.build_datasets(Cfg(dataset=str(folder), tokenizer_name=str(chat_tokenizer)))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "user's turn" in line]
+    assert warnings == [
+        f"warning: 4 conversation(s) of {folder} end on a user's turn, which nothing answers: it "
+        "is not trained on (end each on the assistant's answer)"
+    ]

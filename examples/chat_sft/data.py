@@ -19,13 +19,21 @@ restarting position_ids). The end of a block is padding, masked too. Packing aga
 conversation to the batch's longest: bench/sft_packing.py (packing trains 1.5x the assistant
 tokens a second there, on CPU). A conversation longer than block_size is cut to it, with one warning line.
 
-A split named validation (or test) is the eval set; without one, eval_fraction of the conversations.
-The eval loss is per assistant token over exactly those conversations.
+A split named validation (or test) is the eval set: a hub dataset's, or a local folder's by the names
+`datasets` gives splits (train.jsonl and validation.jsonl, or folders train/ and validation/, or
+dev, test, ...); without one, eval_fraction of the conversations. The start-up output says which, in
+one line (`eval set: ...`). The eval loss is per assistant token over exactly those conversations.
+
+JSON files are read with the json module, each value as written: each message's role and content (a
+string, or OpenAI's list of parts when they are all text: joined, one line apart). A bad line is one
+line naming the file and the line; a conversation that ends on a user's turn (nothing answers it)
+trains all the same, said once with the count.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -39,6 +47,7 @@ from lm import load_tokenizer
 MESSAGES = "messages"  # chat data: a list of {"role", "content"}
 PROMPT, RESPONSE = "prompt", "response"  # instruction data: one exchange
 BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+EVAL_SPLITS = ("validation", "test")  # the first a dataset has is its eval set
 COLUMNS = ("input_ids", "labels", "position_ids")
 
 
@@ -66,10 +75,18 @@ def build_datasets(cfg):
     each (block_size,)."""
     splits = load_conversations(cfg)
     train = splits[cfg.dataset_split]
-    held_out = next((splits[s] for s in ("validation", "test") if s in splits), None)
-    if held_out is None:  # a fixed split seed: changing `seed` must not move conversations
+    named = next((s for s in EVAL_SPLITS if s in splits and s != cfg.dataset_split), None)
+    if named:
+        held_out = splits[named]
+        said = f"the {named} split of {cfg.dataset} ({len(held_out)} conversations)"
+    else:  # a fixed split seed: changing `seed` must not move conversations
         split = train.train_test_split(test_size=cfg.eval_fraction, seed=0)
         train, held_out = split["train"], split["test"]
+        said = (
+            f"{cfg.eval_fraction * 100:g}% of {cfg.dataset}'s {cfg.dataset_split} split held out "
+            f"(eval_fraction; {len(held_out)} conversations)"
+        )
+    say(f"eval set: {said}")
     pack = functools.partial(
         pack_conversations, tokenizer=chat_tokenizer(cfg), block_size=cfg.block_size
     )
@@ -166,10 +183,10 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list
 
 
 def conversations(rows: dict) -> list[list[dict]]:
-    """The batch's conversations as message lists: a chat dataset's `messages`, or one exchange made
-    of `prompt` and `response`."""
+    """The batch's conversations as message lists: a chat dataset's `messages` (each message's role
+    and content, its text parts joined), or one exchange made of `prompt` and `response`."""
     if MESSAGES in rows:
-        return [list(messages or []) for messages in rows[MESSAGES]]
+        return [checked_conversation(messages, "a conversation") for messages in rows[MESSAGES]]
     return [
         [{"role": "user", "content": str(prompt)}, {"role": "assistant", "content": str(response)}]
         for prompt, response in zip(rows[PROMPT], rows[RESPONSE], strict=True)
@@ -178,12 +195,18 @@ def conversations(rows: dict) -> list[list[dict]]:
 
 def warn_of_cut_conversations(blocks, name: str, block_size: int) -> None:
     cut = sum(blocks["cut"])
-    if cut and os.environ.get("RANK", "0") == "0":
-        print(  # noqa: T201 - the data's warning, from the first process
+    if cut:
+        say(
             f"warning: {cut} {name} conversation(s) longer than block_size {block_size} tokens "
             f"were cut to it (their end is not trained on): raise block_size to keep them whole",
             file=sys.stderr,
         )
+
+
+def say(line: str, file=sys.stdout) -> None:
+    """A line of the data's at start-up, from the first process alone."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=file)  # noqa: T201 - the data's own lines, before the run's log starts
 
 
 # ---------------------------------------------------------------- reading the conversations
@@ -209,26 +232,18 @@ def chat_tokenizer(cfg):
 
 @functools.cache
 def load_conversations(cfg):
-    """The splits, checked to hold `messages`, or `prompt` and `response`."""
+    """The splits, checked to hold `messages`, or `prompt` and `response`; each conversation
+    checked (one line naming where), and those that end on a user's turn counted in one warning."""
     import datasets
 
     try:
         if os.path.exists(cfg.dataset):
-            path = Path(cfg.dataset)
-            files = (
-                [path]
-                if path.is_file()
-                else sorted(p for p in path.rglob("*") if p.suffix in BUILDERS)
-            )
-            builder = BUILDERS.get(files[0].suffix) if files else None
-            if builder is None:
-                raise ConfigError(f"dataset '{cfg.dataset}' holds no {', '.join(BUILDERS)} file")
-            splits = datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]})
+            splits = read_local(Path(cfg.dataset))
         else:
             splits = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None)
     except ConfigError:
         raise
-    except Exception as e:  # a malformed file, offline, a wrong name
+    except Exception as e:  # a file that cannot be read, offline, a wrong name
         raise ConfigError(f"dataset '{cfg.dataset}' could not be read: {first_line(e)}") from None
     if cfg.dataset_split not in splits:
         raise ConfigError(
@@ -237,31 +252,192 @@ def load_conversations(cfg):
         )
     columns = splits[cfg.dataset_split].column_names
     if MESSAGES not in columns and not {PROMPT, RESPONSE} <= set(columns):
-        raise ConfigError(
-            f"dataset '{cfg.dataset}' has neither a '{MESSAGES}' column (chat: a list of "
-            f"{{role, content}}) nor '{PROMPT}' and '{RESPONSE}' columns (columns: "
-            f"{', '.join(columns)})"
-        )
+        raise no_chat_columns(f"'{cfg.dataset}'", columns)
     if MESSAGES in columns:
+        unanswered = 0
         for name, split in splits.items():
-            check_turns(split[MESSAGES], cfg.dataset if len(splits) == 1 else f"split '{name}'")
+            where = cfg.dataset if len(splits) == 1 else f"split '{name}'"
+            unanswered += check_turns(split[MESSAGES], where)
+        if unanswered:
+            say(
+                f"warning: {unanswered} conversation(s) of {cfg.dataset} end on a user's turn, "
+                "which nothing answers: it is not trained on (end each on the assistant's answer)",
+                file=sys.stderr,
+            )
     return splits
 
 
-def check_turns(all_messages: list, where: str) -> None:
-    """Every conversation has an assistant turn (else there is nothing to learn from it), and every
-    turn a role and a content: one line naming the conversation, at start-up."""
+def no_chat_columns(dataset: str, columns) -> ConfigError:
+    return ConfigError(
+        f"dataset {dataset} has neither a '{MESSAGES}' column (chat: a list of {{role, content}}) "
+        f"nor '{PROMPT}' and '{RESPONSE}' columns (columns: {', '.join(columns)})"
+    )
+
+
+def check_turns(all_messages: list, where: str) -> int:
+    """Every conversation is checked (checked_conversation), one line naming it; returns how many
+    end on a user's turn."""
+    unanswered = 0
     for row, messages in enumerate(all_messages):
-        roles = [
-            message.get("role") if isinstance(message, dict) else None for message in messages or []
-        ]
-        if None in roles or not all(isinstance(m.get("content"), str) for m in messages):
+        conversation = checked_conversation(messages, f"{where}, conversation {row + 1}")
+        unanswered += conversation[-1]["role"] == "user"
+    return unanswered
+
+
+def checked_conversation(messages, where: str) -> list[dict]:
+    """The conversation as the chat template takes it: each message's role and its content as one
+    string. Every message needs both, and one turn must be the assistant's (else there is nothing
+    to learn from it): one line naming `where`, at start-up."""
+    conversation = []
+    for message in messages or []:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ConfigError(
-                f"dataset: {where}, conversation {row + 1}: every message needs a 'role' and a "
-                "'content' string"
+                f"dataset: {where}: every message needs a 'role' and a 'content' string"
             )
-        if "assistant" not in roles:
-            raise ConfigError(
-                f"dataset: {where}, conversation {row + 1} has no assistant turn, nothing to learn "
-                f"from (roles: {', '.join(roles) or 'none'})"
-            )
+        conversation.append({"role": message["role"], "content": text_of(message, where)})
+    roles = [message["role"] for message in conversation]
+    if "assistant" not in roles:
+        raise ConfigError(
+            f"dataset: {where} has no assistant turn, nothing to learn from (roles: "
+            f"{', '.join(roles) or 'none'})"
+        )
+    return conversation
+
+
+def text_of(message: dict, where: str) -> str:
+    """A message's content as one string: a string, or a list of text parts (OpenAI's shape,
+    [{"type": "text", "text": ...}]) joined a line apart, as vLLM joins them. Any other part (an
+    image) is one line: this example trains on text."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else []
+    kinds = [part.get("type") if isinstance(part, dict) else None for part in parts]
+    other = next((kind for kind in kinds if kind != "text"), "text")
+    if parts and other != "text":
+        raise ConfigError(
+            f"dataset: {where}: a message has a part of type {other!r}; chat fine-tuning here "
+            "reads text alone (a content string, or parts of type 'text', which are joined)"
+        )
+    texts = [part.get("text") for part in parts]
+    if not parts or not all(isinstance(text, str) for text in texts):
+        raise ConfigError(
+            f"dataset: {where}: every message needs a 'role' and a 'content' string (or a list "
+            "of text parts)"
+        )
+    return "\n".join(texts)
+
+
+# ---------------------------------------------------------------- local files
+
+
+def read_local(path: Path):
+    """A local file (the train split), or a folder whose files are split by the names `datasets`
+    gives splits (train.jsonl, validation.jsonl, dev.csv, folders train/ and test/, ...; files
+    with other names: train), as datasets' DatasetDict."""
+    import datasets
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    if path.is_file():
+        found = {"train": [path]}
+    elif not any(p.suffix in BUILDERS for p in path.rglob("*")):
+        found = {}
+    else:
+        patterns = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+        found = {
+            str(split): [Path(f) for f in files if Path(f).suffix in BUILDERS]
+            for split, files in patterns.items()
+        }
+    found = {split: files for split, files in found.items() if files}
+    if not found:
+        raise ConfigError(f"dataset '{path}' holds no {', '.join(BUILDERS)} file")
+    return datasets.DatasetDict({split: read_split(files) for split, files in found.items()})
+
+
+def read_split(files: list[Path]):
+    """A split's files as one table: JSON read here (json_table), CSV and Parquet by `datasets`."""
+    import datasets
+
+    if all(BUILDERS[file.suffix] == "json" for file in files):
+        return json_table(files)
+    builder = BUILDERS[files[0].suffix]
+    return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]})["train"]
+
+
+def json_table(files: list[Path]):
+    """JSON files' rows as one table, read with the json module (json_rows), not with datasets'
+    JSON reader, which types a column by all its rows: one conversation's list of parts made it
+    read another's answer "9" as the number 9. Cached as datasets caches its own reader's tables,
+    so the packing after it is cached too: the table's key is the files' content."""
+    import datasets
+    import xxhash
+
+    rows = [row for file in files for row in json_rows(file)]  # a bad row: its line, here
+    kinds = {tuple(row) for row in rows}
+    if len(kinds) != 1:
+        raise ConfigError(
+            f"dataset: {', '.join(map(str, files))} "
+            + ("holds no rows" if not kinds else "mixes chat rows with prompt/response rows")
+        )
+    digest = xxhash.xxh3_64()
+    for file in files:
+        digest.update(file.read_bytes())
+    return datasets.Dataset.from_generator(
+        rows_of_files,
+        features=table_features(chat=MESSAGES in rows[0]),
+        gen_kwargs={"files": [str(file) for file in files], "content": digest.hexdigest()},
+    )
+
+
+def table_features(chat: bool):
+    """The table's columns, typed: strings, whatever JSON type a value could be read as."""
+    from datasets import Features, Value
+
+    if chat:
+        return Features({MESSAGES: [{"role": Value("string"), "content": Value("string")}]})
+    return Features({PROMPT: Value("string"), RESPONSE: Value("string")})
+
+
+def rows_of_files(files: list[str], content: str):
+    """datasets.Dataset.from_generator's generator (`content`, the files' digest, is only its cache
+    key: datasets hashes these arguments)."""
+    for file in files:
+        yield from json_rows(Path(file))
+
+
+def json_rows(path: Path) -> list[dict]:
+    """A JSON lines file's rows (or a .json file's array's), each as given: {"messages": the
+    checked conversation} or {"prompt", "response"} as strings. A bad one is one line naming the
+    file and the line (an array's: its entry)."""
+    rows = []
+    for where, row in json_values(path):
+        if isinstance(row, dict) and MESSAGES in row:
+            rows.append({MESSAGES: checked_conversation(row[MESSAGES], where)})
+        elif isinstance(row, dict) and {PROMPT, RESPONSE} <= set(row):
+            rows.append({PROMPT: str(row[PROMPT]), RESPONSE: str(row[RESPONSE])})
+        elif isinstance(row, dict):
+            raise no_chat_columns(where, row)
+        else:
+            raise ConfigError(f"dataset: {where} is a JSON {type(row).__name__}, not an object")
+    return rows
+
+
+def json_values(path: Path) -> list[tuple[str, object]]:
+    """(where, value) for each JSON value of the file: each line of JSON lines (blank lines
+    skipped), or each entry of a .json file that holds one array."""
+    text = path.read_text(encoding="utf-8-sig")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        entries = parsed(text, path)
+        return [(f"{path} entry {n}", entry) for n, entry in enumerate(entries, start=1)]
+    # "\n" alone ends a line of JSON lines (a string may hold a raw U+2028, which splitlines splits)
+    lines = enumerate(text.split("\n"), start=1)
+    return [(f"{path} line {n}", parsed(line, path, n)) for n, line in lines if line.strip()]
+
+
+def parsed(text: str, path: Path, line: int = 0):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"dataset: {path} line {line or e.lineno} is not valid JSON: {e.msg} (column {e.colno})"
+        ) from None

@@ -13,8 +13,9 @@ different numbers of assistant tokens):
       #4206's failure), and the run ends with the Accelerate run's losses, evaluations and exported
       weights, to the bit. The checkpoints hold the adapters alone. (FSDP2 and adapters:
       tests/e2e/test_lora_runs.py.)
-    - what the run says: at start-up its trainable parameters (the adapters counted by hand from
-      the base model's sizes); in its summary the sample command with
+    - what the run says: at start-up the eval set it uses (eval_fraction of the file, as many
+      conversations as the independent evaluation holds out) and its trainable parameters (the
+      adapters counted by hand from the base model's sizes); in its summary the sample command with
       --chat, which, pasted with a prompt, answers (the reply alone, a chat model's).
 """
 
@@ -170,10 +171,13 @@ def test_the_torch_path_killed_and_resumed_ends_bitwise_as_the_accelerate_run(ch
     assert config["model_type"] == "llama"
 
 
-def test_the_run_says_what_trains_and_how_to_talk_to_it(chat, trained):
+def test_the_run_says_its_eval_set_what_trains_and_how_to_talk_to_it(chat, trained):
     from transformers import AutoModelForCausalLM
 
     output = trained.output
+    held_out = len(held_out_conversations(chat.chats))
+    said = f"eval set: 10% of {chat.chats}'s train split held out (eval_fraction; {held_out} "
+    assert said + "conversations)" in output
     # r x (in + out) for each adapted layer, from the base model's sizes
     sizes = json.loads((chat.chat_llama / "config.json").read_text())
     width, inner, r = sizes["hidden_size"], sizes["intermediate_size"], 8
