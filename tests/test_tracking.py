@@ -444,3 +444,39 @@ def test_the_parent_of_this_process_is_read_from_proc():
 
     assert provenance.parent_of(os.getpid()) == os.getppid()
     assert provenance.parent_of(2**22 + 12345) is None  # no such process
+
+
+def test_a_resumed_runs_summary_gives_the_runs_best_evaluation_and_a_forks_final_eval(
+    tmp_path, capsys
+):
+    """The summary after a resume: the best eval_loss over every start's rows (here the first
+    start's, lower than any of this one's), this start's steps, and a final eval line for a task
+    whose metrics hold no loss (a classifier's accuracy alone: no best line then)."""
+    cfg = RunConfig(output_dir=str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    earlier = [
+        {"step": 5, "loss": 2.0},
+        {"step": 10, "eval_loss": 0.75, "eval_accuracy": 0.5},
+        {"step": 20, "eval_loss": 1.5},  # past the checkpoint: dropped by the resume
+    ]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    log = MetricsLogger(cfg, TorchDDP(cfg))
+    log.start(log.cfg, 10, {})  # resumed from the checkpoint of step 10
+    log.log(20, {"eval_loss": 1.25})
+    log.finished(20, tmp_path / "run" / "model.safetensors")
+    log.close()
+    said = capsys.readouterr().out
+    assert "done: step 20 (this start: steps 11-20 in 0 min " in said
+    assert "final eval (step 20): eval_loss 1.25" in said
+    assert "best eval_loss: 0.75 at step 10" in said
+
+    accuracy_only = RunConfig(output_dir=str(tmp_path / "classifier"))
+    log = MetricsLogger(accuracy_only, TorchDDP(accuracy_only))
+    log.start(log.cfg, 0, {})
+    log.log(4, {"eval_accuracy": 0.875})
+    log.finished(4, tmp_path / "classifier" / "model.safetensors")
+    log.close()
+    said = capsys.readouterr().out
+    assert "done: step 4 in 0 min " in said
+    assert "final eval (step 4): eval_accuracy 0.875" in said
+    assert "best eval_loss" not in said

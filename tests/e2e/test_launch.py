@@ -39,9 +39,10 @@ def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_tracebac
     tmp_path, corpus, stop, code
 ):
     out = tmp_path / "run"
-    # SIGTERM's run is continued below with the command it prints: a horizon it reaches in seconds
-    max_steps = 40 if stop == signal.SIGTERM else 2000
-    args = tiny_args(out, corpus, max_steps=max_steps, save_every=1000, eval_every=1000)
+    # SIGTERM's run is continued below with the command it prints: a horizon it reaches in seconds,
+    # far enough that the signal always comes first
+    max_steps = 120 if stop == signal.SIGTERM else 2000
+    args = tiny_args(out, corpus, max_steps=max_steps, save_every=1000, eval_every=50)
     job = subprocess.Popen(
         [*LAUNCH, *map(str, args)],
         cwd=REPO,
@@ -82,22 +83,28 @@ def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_tracebac
 
 
 def every_printed_command_works_when_pasted(continue_with, out, tmp_path, stopped_at):
-    """The stop line's command, then the summary's `train on`, each run as printed: the first ends
+    """The stop line's command, then the summary's commands, each run as printed: the first ends
     the run at its max_steps (the preset's block_size and the run's flags from its config.yaml), the
     second trains on to twice that with the cosine stretched to the new horizon."""
     resumed = paste(continue_with, tmp_path)
-    assert f"done: step 40 (this start: steps {stopped_at + 1}-40 in " in resumed, resumed[-3000:]
-    # the summary's best evaluation is the run's, over both starts
+    assert f"done: step 120 (this start: steps {stopped_at + 1}-120 in " in resumed, resumed[-3000:]
+    # the summary's other commands, as printed: the curves drawn, text written from the export
+    curves = next(line for line in resumed.splitlines() if line.startswith("curves: "))
+    assert "wrote " in paste(curves.split(": ", 1)[1], tmp_path)
+    samples = next(line for line in resumed.splitlines() if line.startswith("samples: "))
+    assert paste(samples.split(": ", 1)[1], tmp_path).strip()
+    train_on = next(line for line in resumed.splitlines() if line.startswith("train on to step 240"))
+    trained_on = paste(train_on.split(": ", 1)[1], tmp_path)
+    # its summary's best evaluation is the run's, over its starts (steps 50, 100, 120 before this one)
     losses = {row["step"]: row["eval_loss"] for row in read_metrics(out) if "eval_loss" in row}
+    assert sorted(losses) == [50, 100, 120, 150, 200, 240]
     best_step = min(losses, key=losses.get)
-    assert f"best eval_loss: {losses[best_step]:.4g} at step {best_step}" in resumed
-    train_on = next(line for line in resumed.splitlines() if line.startswith("train on to step 80"))
-    paste(train_on.split(": ", 1)[1], tmp_path)
+    assert f"best eval_loss: {losses[best_step]:.4g} at step {best_step}" in trained_on
     lrs = {row["step"]: row["lr"] for row in read_metrics(out) if "lr" in row}
-    assert max(lrs) == 80
-    # tiny.yaml's lr 3e-3 and min_lr 3e-4, warmup_steps 4 (tiny_args): cosine over 80 steps from 40 on
-    for step in (41, 60, 79):
-        progress = (step - 1 - 4) / (80 - 4)  # set_lr at the update that makes step `step`
+    assert max(lrs) == 240
+    # tiny.yaml's lr 3e-3 and min_lr 3e-4, warmup_steps 4 (tiny_args): cosine over 240 steps from 120 on
+    for step in (121, 180, 239):
+        progress = (step - 1 - 4) / (240 - 4)  # set_lr at the update that makes step `step`
         expected = 3e-4 + 0.5 * (3e-3 - 3e-4) * (1 + math.cos(math.pi * progress))
         assert lrs[step] == pytest.approx(expected, rel=1e-6), (step, lrs[step], expected)
 
