@@ -3,15 +3,15 @@ at start-up, never a crash mid-training. A label cell that is empty or not an in
 file, the line and the column; a label outside a dataset's classes likewise; an image folder with one
 class says so, an empty class folder is one warning line; a truncated image names its file (also
 when a DataLoader worker meets it). The chat example: its masks against the chat template's own
-marks of the assistant's tokens, its packing, a local folder's validation file as the eval set,
-messages as written (text parts joined, a "9" kept a string), and its bad input (no chat columns, a
-conversation without an assistant turn, a malformed line, an image part, a tokenizer without a chat
-template), each line naming the file and the line."""
+marks of the assistant's tokens, its packing (and without it, one conversation a row), a local
+folder's validation file as the eval set, messages as written (text parts joined, a "9" kept a
+string), and its bad input (no chat columns, a conversation without an assistant turn, a malformed
+line, an image part, a tokenizer without a chat template), each line naming the file and the line."""
 
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -43,6 +43,7 @@ class Cfg:
     max_length: int = 128  # the text example's DataConfig
     tokenizer_name: str = "bytes"
     block_size: int = 64
+    packing: bool = True  # the chat example's DataConfig
 
 
 def write_csv(path: Path, labels: list[str]) -> Path:
@@ -416,3 +417,49 @@ def test_conversations_that_end_on_a_user_turn_are_one_warning_with_their_count(
         f"warning: 4 conversation(s) of {folder} end on a user's turn, which nothing answers: it "
         "is not trained on (end each on the assistant's answer)"
     ]
+
+
+def test_unpacked_each_row_is_one_conversation_padded_to_its_batch_s_longest(
+    tmp_path, chat_tokenizer, chat_llama
+):
+    """packing false, as TRL's SFTTrainer by default: a batch's rows are its conversations, each as
+    the chat template renders it (its labels the tokens the template marks as the assistant's),
+    padded to the longest with nothing counted, and a model sees each as it sees it alone."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    chats = write_chats(tmp_path / "all.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in chats]
+    folder = tmp_path / "chats"
+    write_jsonl(folder / "train.jsonl", rows[:40])
+    write_jsonl(folder / "validation.jsonl", rows[40:48])
+    chat = example_data("chat_sft")
+    cfg = Cfg(dataset=str(folder), tokenizer_name=str(chat_tokenizer), block_size=128)
+    train, held_out = chat.build_datasets(replace(cfg, packing=False))
+    assert (len(train), len(held_out)) == (40, 8)
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    batch = chat.collate([train[i] for i in range(8)])
+    marked = [
+        tokenizer.apply_chat_template(
+            row["messages"], return_dict=True, return_assistant_tokens_mask=True
+        )
+        for row in rows[:8]
+    ]
+    longest = max(len(m["input_ids"]) for m in marked)
+    assert batch["input_ids"].shape == (8, longest)
+    for row, expected in enumerate(marked):
+        ids, mask = expected["input_ids"], expected["assistant_masks"]
+        length = len(ids)
+        assert batch["input_ids"][row, :length].tolist() == ids
+        labels = [t if m else -100 for t, m in zip(ids, mask, strict=True)]
+        assert batch["labels"][row].tolist() == labels + [-100] * (longest - length)
+        # one conversation: its positions from 0, the padding after it a sequence of its own
+        positions = list(range(length)) + list(range(longest - length))
+        assert batch["position_ids"][row].tolist() == positions
+    model = AutoModelForCausalLM.from_pretrained(chat_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        for row, expected in enumerate(marked):
+            alone = model(input_ids=torch.tensor([expected["input_ids"]])).logits[0]
+            torch.testing.assert_close(logits[row, : len(alone)], alone, rtol=1e-4, atol=1e-5)
+    packed, _ = chat.build_datasets(cfg)
+    assert len(packed) < len(train)  # packed: several conversations to a block

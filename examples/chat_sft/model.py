@@ -57,6 +57,8 @@ def eval_metrics(sums: dict, cfg) -> dict:
     return token_metrics(sums)
 
 
-def tokens_per_sample(cfg) -> int:
-    """A packed block's positions, padding included (tokens/s is the work done)."""
-    return cfg.block_size
+def tokens_per_sample(cfg) -> int | None:
+    """A packed block's positions, padding included (tokens/s is the work done). Unpacked
+    (packing false), a row's length is its batch's longest: no fixed count, so the run reports
+    conversations (samples) a second."""
+    return cfg.block_size if cfg.packing else None
