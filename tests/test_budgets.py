@@ -3,9 +3,9 @@
 Budgets count code lines as `ruff format` lays them out, without blank lines, comments or docstrings: an
 explanation is free, and a budget is never met by squeezing statements (README "Layout"). The shape limits
 are strict: the training loop's body, every other function, and ruff's complexity check (pyproject.toml).
-The total is enforced too: train/ as a whole stays within TOTAL, what the post-training tasks need
-included (task-specific code lives in examples/ and the shared toolkits a fork imports, not in the loop's
-modules).
+The total is enforced too: the template's modules of train/ (all but the fork's model.py and data.py)
+stay within TOTAL, what the post-training tasks need included (task-specific code lives in examples/ and
+the shared toolkits a fork imports, not in the loop's modules).
 
 History of the module budgets (physical lines until the reshaping): 1,800 total; +300 job.py and resume.py;
 +200 FSDP and HSDP; +150 Hugging Face models; +150 streaming; +50 fast_reader (2,650). Then counted as code
@@ -47,7 +47,7 @@ BUDGETS = {
     # what a run reports: metrics.jsonl, console lines and summary, trackers, throughput, run_info
     "tracking.py": 350,
 }
-TOTAL = 6000  # code lines of train/ as a whole
+TOTAL = 6000  # code lines of train/'s modules but model.py and data.py
 LOOP_BODY = 65  # code lines of train()'s `while` loop
 FUNCTION = 50  # code lines of any other function
 
@@ -89,9 +89,10 @@ def test_each_module_stays_within_its_budget_and_the_total_is_reported():
     sizes = {path.name: code_lines(path.read_text()) for path in sorted(TRAIN.glob("*.py"))}
     over = {name: n for name, n in sizes.items() if n > BUDGETS.get(name, MODULE_BUDGET)}
     assert not over, f"over budget (code lines): {over}"
-    total = sum(sizes.values())
-    print(f"train/: {total} code lines; {sizes}")  # pytest -s shows it
-    assert total <= TOTAL, f"train/ has {total} code lines, over its {TOTAL}"
+    # the template's own code: the fork's two files are its task's (the shipped ones a causal LM's)
+    total = sum(n for name, n in sizes.items() if name not in ("model.py", "data.py"))
+    print(f"train/: {total} code lines of the template's; {sizes}")  # pytest -s shows it
+    assert total <= TOTAL, f"train/ has {total} code lines of the template's, over its {TOTAL}"
 
 
 def test_the_loop_body_and_every_other_function_stay_short():

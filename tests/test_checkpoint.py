@@ -830,3 +830,16 @@ def test_tied_weights_are_the_groups_of_one_parameter_under_several_names(tmp_pa
     groups = checkpoint.tied_weights(gpt)
     assert len(groups) == 1 and len(groups[0]) == 2  # the embedding and the head
     assert checkpoint.tied_weights(torch.nn.Linear(2, 2)) == []
+
+
+def test_another_model_identity_is_refused_before_the_data_s_and_names_the_model(tmp_path):
+    """model.py's identity(model) (a preference run's reference digest) is kept in the manifest as
+    model/<name>: a resume that builds another one is refused in one line naming it, even where the
+    data changed too."""
+    rebuilt = {**IDENTITY, "seed": 7, "model/reference": "def"}
+    saved = {"model/reference": "abc"}
+    assert refusal(lambda: run_checked(tmp_path, saved, identity=rebuilt)) == (
+        f"{tmp_path} was saved with another model (model/reference 'abc' -> 'def'): resuming would "
+        f"train against something else; to change it on purpose, start a new run with --init_from "
+        f"{tmp_path}"
+    )

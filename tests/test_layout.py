@@ -57,7 +57,12 @@ def test_only_the_seam_reaches_the_fork_files_and_the_loop_uses_it_through_few_n
         for node in ast.walk(main)
         if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "task"
     }
-    assert used == {"training_model", "check_loss_contract", "tokens_per_sample"}, used
+    assert used == {
+        "training_model",
+        "model_identity",
+        "check_loss_contract",
+        "tokens_per_sample",
+    }, used
     for fork_file in FORK_FILES:  # the fork's files may use the template's helpers, never the loop
         assert imports_of(fork_file).keys() <= {"lm", "checks", "errors", "config"}, fork_file
 

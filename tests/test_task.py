@@ -271,3 +271,14 @@ def test_streaming_needs_a_packer_and_an_old_signature_is_named(monkeypatch):
     fork_model.eval_metrics = "not a function"
     with pytest.raises(ConfigError, match=r"^train/model.py defines no eval_metrics\(sums, cfg\)"):
         task.check_fork_files(RunConfig())
+
+
+def test_a_models_own_identity_joins_the_runs_under_model_names(monkeypatch):
+    """model.py's optional identity(model): its entries as model/<name>, what a resume must find
+    unchanged; a model.py without one adds nothing."""
+    built = torch.nn.Linear(2, 2)
+    fork_model = types.SimpleNamespace(identity=lambda model: {"reference": f"{model.in_features}x"})
+    monkeypatch.setattr(task, "fork_file", lambda name: fork_model)
+    assert task.model_identity(built) == {"model/reference": "2x"}
+    monkeypatch.setattr(task, "fork_file", lambda name: types.SimpleNamespace())
+    assert task.model_identity(built) == {}

@@ -67,6 +67,9 @@ def train(cfg, accelerator: Plumbing) -> int:
     # ---------------------------------------------------------------- model and optimizer
     # model.py's model, with the template's options (sync_batchnorm, activation_checkpointing)
     model = task.training_model(cfg)
+    # what a resume must find unchanged: the data, and what model.py says of the model it built
+    # (its optional identity(model): a preference run's reference weights)
+    identity = {**data.identity, **task.model_identity(model)}
     optimizer = build_optimizer(model, cfg)
     # prepare: wraps the model in DDP (or shards it, FSDP, and points the optimizer at the shards)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -89,9 +92,9 @@ def train(cfg, accelerator: Plumbing) -> int:
     # a fork's own state is one more line here, e.g. parts["ema"] = ema_model: saved, restored and
     # pruned with the rest
     # the config is settled from here on
-    cfg = resume_or_start(accelerator, cfg, parts, data.identity, log)
+    cfg = resume_or_start(accelerator, cfg, parts, identity, log)
     # also lists the kept compiled code at each save, for a resume's check (compiling.py)
-    checkpointer = Checkpointer(accelerator, cfg, parts, data.identity, log, kept_cache)
+    checkpointer = Checkpointer(accelerator, cfg, parts, identity, log, kept_cache)
     # a resumed run continues its W&B run
     state.tracker_run_id = state.tracker_run_id or new_run_id()
     log.start(cfg, state.step, run_info(cfg, accelerator, plain_model, data))

@@ -263,6 +263,12 @@ def check_same_run(folder: Path, about: dict, now: dict, cfg, identity: dict) ->
         for key, value in identity.items()
         if saved.get(key) is not None and value is not None and saved[key] != value
     ]
+    of_the_model = [line for line in changed if line.startswith("model/")]
+    if of_the_model:  # model.py's identity(model): e.g. a preference run's reference weights
+        raise CheckpointError(
+            f"{folder} was saved with another model ({', '.join(of_the_model)}): resuming would "
+            f"train against something else; to change it on purpose, start a new run with --init_from {folder}"
+        )
     if changed:
         raise CheckpointError(
             f"{folder} was saved for other data ({', '.join(changed)}): resuming would continue a different "

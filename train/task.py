@@ -19,6 +19,8 @@ below, by these names (README "Make it yours"):
                                               and MFU (without it: samples/s and samples_seen only)
               check_config(cfg)               optional: the model's own checks of its config keys,
                                               at start-up (raise errors.ConfigError naming the key)
+              identity(model) -> dict         optional: what a resume must find unchanged of the
+                                              model built (e.g. a reference's weight digest)
               ModelConfig                     optional: a dataclass of the model's own keys (config.py
                                               adds them to the template's: YAML, --flags, --help)
               CHAT_MODEL = True               optional: scripts/sample.py talks to it with --chat
@@ -121,6 +123,16 @@ def sample_flags(cfg) -> str | None:
     if getattr(fork_file("model"), "CHAT_MODEL", False):
         return '--chat --prompt "..."'
     return '--prompt "..."' if tokens_per_sample(cfg) is not None else None
+
+
+def model_identity(model) -> dict:
+    """model.py's optional `identity(model) -> {name: value}`: what a resume must find unchanged of the
+    model as built (a preference run's reference weights), kept in each checkpoint's manifest beside
+    the data's identity, as model/<name>; {} without it."""
+    identity = getattr(fork_file("model"), "identity", None)
+    if identity is None:
+        return {}
+    return {f"model/{name}": value for name, value in identity(model).items()}
 
 
 def data_identity(dataset) -> str | None:
