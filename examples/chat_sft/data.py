@@ -84,13 +84,13 @@ def build_datasets(cfg):
     named = next((s for s in EVAL_SPLITS if s in splits and s != cfg.dataset_split), None)
     if named:
         held_out = splits[named]
-        said = f"the {named} split of {cfg.dataset} ({len(held_out)} conversations)"
+        said = f"the {named} split of {cfg.dataset} ({conversations_counted(held_out)})"
     else:  # a fixed split seed: changing `seed` must not move conversations
         split = train.train_test_split(test_size=cfg.eval_fraction, seed=0)
         train, held_out = split["train"], split["test"]
         said = (
             f"{cfg.eval_fraction * 100:g}% of {cfg.dataset}'s {cfg.dataset_split} split held out "
-            f"(eval_fraction; {len(held_out)} conversations)"
+            f"(eval_fraction; {conversations_counted(held_out)})"
         )
     say(f"eval set: {said}")
     pack = functools.partial(
@@ -110,6 +110,11 @@ def build_datasets(cfg):
         warn_of_cut_conversations(blocks, name, cfg.block_size)
         packed[name] = blocks.select_columns(list(COLUMNS)).with_format("torch")
     return packed["train"], packed["eval"]
+
+
+def conversations_counted(split) -> str:
+    count = len(split)
+    return f"{count} conversation" if count == 1 else f"{count} conversations"
 
 
 def collate(samples: list[dict]) -> dict:
