@@ -93,7 +93,9 @@ def every_printed_command_works_when_pasted(continue_with, out, tmp_path, stoppe
     assert "wrote " in paste(curves.split(": ", 1)[1], tmp_path)
     samples = next(line for line in resumed.splitlines() if line.startswith("samples: "))
     assert paste(samples.split(": ", 1)[1], tmp_path).strip()
-    train_on = next(line for line in resumed.splitlines() if line.startswith("train on to step 240"))
+    train_on = next(
+        line for line in resumed.splitlines() if line.startswith("train on to step 240")
+    )
     trained_on = paste(train_on.split(": ", 1)[1], tmp_path)
     # its summary's best evaluation is the run's, over its starts (steps 50, 100, 120 before this one)
     losses = {row["step"]: row["eval_loss"] for row in read_metrics(out) if "eval_loss" in row}
