@@ -1,8 +1,9 @@
 """The signals that stop a job: SIGTERM (SLURM, Kubernetes), SIGUSR1 (SLURM's --signal), Ctrl-C,
-and the death of the launcher. During start-up the job stops at once (Preempted); in the loop the
-ranks vote at logging steps and all stop at the same step, with a checkpoint (main.py). A
-DataLoader's worker processes leave these signals to their training process, which checkpoints
-first (loader_worker_options). How the job then ends, and with which code: job.py."""
+and the death of the launcher (its parent process gone, or the console pipe it read broken). During
+start-up the job stops at once (Preempted); in the loop the ranks vote at logging steps and all stop
+at the same step, with a checkpoint (main.py). A DataLoader's worker processes leave these signals to
+their training process, which checkpoints first (loader_worker_options). How the job then ends, and
+with which code: job.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from multiprocessing import context as mp_context
@@ -42,6 +44,7 @@ class StopSignals:
         for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         self._watch_launcher()
+        self._watch_console()
 
     def _watch_launcher(self) -> None:
         """A launcher (accelerate launch, torchrun, mp.spawn, a shell) that dies without stopping its workers
@@ -57,10 +60,28 @@ class StopSignals:
         def watch():
             while os.getppid() == launcher:
                 time.sleep(LAUNCHER_CHECK_S)
-            self.signal_name = self.signal_name or LAUNCHER_LOST
-            os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, like any stop
+            self._launcher_lost()
 
         threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+    def _watch_console(self) -> None:
+        """A worker's console is often a pipe that its launcher reads (scripts/launch.py, a sweep's
+        driver, `| tee`). When that reader is killed, the worker's next print fails on the broken pipe
+        (EPIPE), before the check above sees its parent gone: a crash with no checkpoint, its peers
+        left waiting in a collective. So a broken console is the launcher's loss too: a stop with a
+        checkpoint, and from then on the console writes to /dev/null."""
+        # SIGPIPE would kill the process on the write: make it the error handled below (Python's
+        # own default, which a library may have undone)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if stream is not None and not isinstance(stream, _Console):  # None: no console at all
+                setattr(sys, name, _Console(stream, self._launcher_lost))
+
+    def _launcher_lost(self) -> None:
+        if self.signal_name is None:  # the first stop's cause is the one said
+            self.signal_name = LAUNCHER_LOST
+            os.kill(os.getpid(), signal.SIGTERM)  # handled in the main thread, like any stop
 
     def _on_signal(self, signum, _frame) -> None:
         if signum == signal.SIGINT and self.signal_name == "SIGINT":
@@ -90,6 +111,37 @@ class StopSignals:
 
 
 stop_signals = StopSignals()
+
+
+class _Console:
+    """sys.stdout or sys.stderr: a write that finds the pipe broken calls `broken` once and sends the
+    descriptor to /dev/null (every later write, C++'s and the exit's flush included, then succeeds)."""
+
+    def __init__(self, stream, broken):
+        self._stream = stream
+        self._broken = broken
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._lost()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._lost()
+
+    def _lost(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())
+        os.close(null)
+        self._broken()
+
+    def __getattr__(self, name: str):  # fileno, isatty, buffer, encoding, ...: the stream's own
+        return getattr(self._stream, name)
 
 
 # ---------------------------------------------------------------- DataLoader workers leave the stops to it

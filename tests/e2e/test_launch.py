@@ -1,8 +1,10 @@
 """What a person sees under the headline command, through scripts/launch.py (accelerate launch as a child):
 a refused input is its one `error:` line and exit 2, SIGTERM a checkpoint and exit 75, Ctrl-C (SIGINT to the
 terminal's whole process group) a checkpoint and exit 130, and no launcher traceback or summary in any of
-them. Under bare `accelerate launch` the workers do the same, and the launcher says 1 (README)."""
+them. Under bare `accelerate launch` the workers do the same, and the launcher says 1 (README). Killed
+with its reader (a sweep's driver's process group), the workers checkpoint and go."""
 
+import json
 import math
 import os
 import shlex
@@ -12,8 +14,9 @@ import sys
 import time
 
 import pytest
+from test_resume import alive, children_of
 
-from conftest import REPO, base_env, read_metrics, tiny_args
+from conftest import FAULTY_MAIN, REPO, base_env, read_metrics, tiny_args
 
 pytestmark = pytest.mark.slow
 LAUNCH = [sys.executable, str(REPO / "scripts" / "launch.py"), "--config_file"]
@@ -124,3 +127,75 @@ def paste(command: str, tmp_path) -> str:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     return output
+
+
+def test_killed_with_the_reader_of_its_output_the_workers_checkpoint_where_they_stop(
+    tmp_path, corpus
+):
+    """docs/sweeps.md's trial command, its driver's process group SIGKILLed mid-trial: scripts/launch.py
+    and accelerate launch die at once, and the pipe the workers print to (launch.py read it) has no
+    reader left. Each worker's next print fails on the broken pipe: the launcher's loss, as when its
+    parent is gone, so both stop at the same step with a checkpoint, write no hang note, and exit 75
+    within seconds; --resume latest continues from that step. Before: rank 0 died of the
+    BrokenPipeError without a checkpoint (a step_N.tmp left at times), rank 1 wrote hangs/rank1.json
+    and lingered 12-27 s, and the trial resumed 10 steps back."""
+    out = tmp_path / "run"
+    args = tiny_args(out, corpus, max_steps=40, save_every=10, eval_every=1000)
+    # a logging step of 0.1 s: the kill lands mid-run, between two checkpoints
+    env = base_env(tmp_path, FAULT_SLOW_S=0.1, RECORD_EXIT=tmp_path / "exits")
+    launch = [*LAUNCH[:-1], str(FAULTY_MAIN)]  # train/main.py with the slow steps
+    job = subprocess.Popen(
+        [*launch, *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or steps_logged(out) < 13:
+            assert time.monotonic() < deadline and job.poll() is None, "the job never trained"
+            time.sleep(0.05)
+        # scripts/launch.py -> accelerate launch -> the 2 workers, each in a session of its own
+        (accelerate,) = children_of(job.pid)
+        workers = children_of(accelerate)
+        assert len(workers) == 2, workers
+        killed_at_step = steps_logged(out)
+        os.killpg(job.pid, signal.SIGKILL)  # the driver's group: launch.py and accelerate launch
+        job.stdout.close()  # the driver's end of its pipe: with launch.py's, nobody reads
+        job.wait(timeout=30)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 30 and any(alive(w) for w in workers):
+            time.sleep(0.1)
+        took = time.monotonic() - killed
+    finally:
+        for worker in workers:
+            if alive(worker):
+                os.kill(worker, signal.SIGKILL)
+    assert took < 8, f"workers still alive {took:.1f} s after the kill"
+    exits = {p.name: json.loads(p.read_text()) for p in (tmp_path / "exits").iterdir()}
+    assert exits == {"rank0.json": 75, "rank1.json": 75}  # a preemption's stop, on both
+    # the checkpoint is the step they stopped at: the last step trained, a step or two past the kill
+    stopped_at = steps_logged(out)
+    assert killed_at_step <= stopped_at <= killed_at_step + 3, (killed_at_step, stopped_at)
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000010", f"step_{stopped_at:08d}"]  # no .tmp, keep_last 2
+    assert not (out / "hangs").exists()
+    resumed = subprocess.run(
+        [*launch, "--output_dir", str(out), "--resume", "latest"],
+        cwd=REPO,
+        env=base_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    said = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, said[-3000:]
+    assert f"resume: {out / 'checkpoints' / f'step_{stopped_at:08d}'} (step {stopped_at})" in said
+    assert f"done: step 40 (this start: steps {stopped_at + 1}-40 in " in said, said[-3000:]
+
+
+def steps_logged(out) -> int:
+    return max((row["step"] for row in read_metrics(out) if "loss" in row), default=0)
