@@ -359,7 +359,7 @@ BREAKS = (
     ),
     Break(
         "the chat data counts the generation prompt as the assistant's",
-        "examples/chat_sft/data.py",
+        "train/chat.py",
         "labels += [-100] * (len(prompt) - len(input_ids)) + answered[len(prompt) :]",
         "labels += [-100] * (len(prompt) - len(input_ids) - 1) + answered[len(prompt) - 1 :]",
         (

@@ -367,7 +367,8 @@ def test_messages_are_read_as_written_and_text_parts_are_joined(tmp_path, chat_t
     # the parts, joined a line apart, are what the template renders as the user's turn
     joined = [{"role": "user", "content": "what is\n4 + 5?"}, {"role": "assistant", "content": "9"}]
     expected = tokenizer.apply_chat_template(joined, tokenize=True, return_dict=True)["input_ids"]
-    assert chat.encode(chat.json_rows(path)[1]["messages"], tokenizer)[0] == expected
+    as_read = chat.chat_row(rows[1], f"{path} line 2")["messages"]
+    assert chat.encode(as_read, tokenizer)[0] == expected
 
 
 IMAGE_PART = {

@@ -31,26 +31,31 @@ JSON files are read with the json module, each value as written: each message's 
 string, or OpenAI's list of parts when they are all text: joined, one line apart). A bad line is one
 line naming the file and the line; a conversation that ends on a user's turn (nothing answers it)
 trains all the same, said once with the count.
+
+The rendering, the assistant masks, the reading of files and the eval set are the chat toolkit's
+(train/chat.py, which examples/preference uses too); the packing and the SFT rows are this file's.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from errors import ConfigError, first_line
-from lm import load_tokenizer
+from chat import (
+    chat_tokenizer,
+    checked_conversation,
+    encode,
+    read_splits,
+    say,
+    train_and_eval,
+)
+from errors import ConfigError
 
 MESSAGES = "messages"  # chat data: a list of {"role", "content"}
 PROMPT, RESPONSE = "prompt", "response"  # instruction data: one exchange
-BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-EVAL_SPLITS = ("validation", "test")  # the first a dataset has is its eval set
 COLUMNS = ("input_ids", "labels", "position_ids")
 
 
@@ -79,20 +84,7 @@ def check_config(cfg) -> None:
 def build_datasets(cfg):
     """(train, eval): map-style datasets of packed blocks {"input_ids", "labels", "position_ids"},
     each (block_size,) (packing false: a conversation each, up to block_size)."""
-    splits = load_conversations(cfg)
-    train = splits[cfg.dataset_split]
-    named = next((s for s in EVAL_SPLITS if s in splits and s != cfg.dataset_split), None)
-    if named:
-        held_out = splits[named]
-        said = f"the {named} split of {cfg.dataset} ({conversations_counted(held_out)})"
-    else:  # a fixed split seed: changing `seed` must not move conversations
-        split = train.train_test_split(test_size=cfg.eval_fraction, seed=0)
-        train, held_out = split["train"], split["test"]
-        said = (
-            f"{cfg.eval_fraction * 100:g}% of {cfg.dataset}'s {cfg.dataset_split} split held out "
-            f"(eval_fraction; {conversations_counted(held_out)})"
-        )
-    say(f"eval set: {said}")
+    train, held_out = train_and_eval(load_conversations(cfg), cfg, "conversation")
     pack = functools.partial(
         pack_conversations,
         tokenizer=chat_tokenizer(cfg),
@@ -110,11 +102,6 @@ def build_datasets(cfg):
         warn_of_cut_conversations(blocks, name, cfg.block_size)
         packed[name] = blocks.select_columns(list(COLUMNS)).with_format("torch")
     return packed["train"], packed["eval"]
-
-
-def conversations_counted(split) -> str:
-    count = len(split)
-    return f"{count} conversation" if count == 1 else f"{count} conversations"
 
 
 def collate(samples: list[dict]) -> dict:
@@ -183,37 +170,6 @@ def add_padded(blocks: dict, block: dict, block_size: int, pad_id: int) -> None:
         blocks[name].append(values)
 
 
-def encode(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
-    """(token ids, labels) of one conversation through the chat template: each assistant turn's
-    tokens are its labels, everything else -100. An assistant turn is what the template adds from
-    the conversation up to it with the generation prompt (`<|im_start|>assistant\\n`, masked) to
-    the conversation with that turn: its content and the end of turn, which the model must learn
-    to say to stop."""
-    input_ids, labels = [], []
-    for turn, message in enumerate(messages):
-        if message.get("role") != "assistant":
-            continue
-        prompt = render(tokenizer, messages[:turn], add_generation_prompt=True)
-        answered = render(tokenizer, messages[: turn + 1], add_generation_prompt=False)
-        if prompt[: len(input_ids)] != input_ids or answered[: len(prompt)] != prompt:
-            raise ConfigError(
-                f"tokenizer '{tokenizer.name_or_path}': its chat template does not render a "
-                "conversation turn by turn as prefixes of one another (it rewrites earlier turns), "
-                "so the assistant's tokens cannot be told from the prompt's"
-            )
-        labels += [-100] * (len(prompt) - len(input_ids)) + answered[len(prompt) :]
-        input_ids = answered
-    return input_ids, labels
-
-
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """The conversation's tokens as the chat template writes them (its special tokens, BOS too)."""
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def conversations(rows: dict) -> list[list[dict]]:
     """The batch's conversations as message lists: a chat dataset's `messages` (each message's role
     and content, its text parts joined), or one exchange made of `prompt` and `response`."""
@@ -235,53 +191,14 @@ def warn_of_cut_conversations(blocks, name: str, block_size: int) -> None:
         )
 
 
-def say(line: str, file=sys.stdout) -> None:
-    """A line of the data's at start-up, from the first process alone."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=file)  # noqa: T201 - the data's own lines, before the run's log starts
-
-
 # ---------------------------------------------------------------- reading the conversations
-
-
-def chat_tokenizer(cfg):
-    """The tokenizer, which must have a chat template: the conversations are rendered as the model
-    will see them when it chats."""
-    tokenizer = load_tokenizer(cfg.tokenizer_name)
-    if tokenizer is None:
-        raise ConfigError(
-            "tokenizer: chat fine-tuning needs a Hugging Face tokenizer with a chat template: pass "
-            "--hf_model CHECKPOINT (its own tokenizer) or --tokenizer NAME_OR_FOLDER"
-        )
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(
-            f"tokenizer '{cfg.tokenizer_name}' has no chat template to render conversations with "
-            "(an instruct or chat checkpoint has one; a base model's tokenizer often not: set "
-            "tokenizer.chat_template and save it, or use the instruct checkpoint's tokenizer)"
-        )
-    return tokenizer
 
 
 @functools.cache
 def load_conversations(cfg):
     """The splits, checked to hold `messages`, or `prompt` and `response`; each conversation
     checked (one line naming where), and those that end on a user's turn counted in one warning."""
-    import datasets
-
-    try:
-        if os.path.exists(cfg.dataset):
-            splits = read_local(Path(cfg.dataset))
-        else:
-            splits = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None)
-    except ConfigError:
-        raise
-    except Exception as e:  # a file that cannot be read, offline, a wrong name
-        raise ConfigError(f"dataset '{cfg.dataset}' could not be read: {first_line(e)}") from None
-    if cfg.dataset_split not in splits:
-        raise ConfigError(
-            f"dataset_split '{cfg.dataset_split}' is not a split of '{cfg.dataset}' "
-            f"(splits: {', '.join(splits)})"
-        )
+    splits = read_splits(cfg, chat_row)  # a local JSON file's rows: chat_row's, naming the line
     columns = splits[cfg.dataset_split].column_names
     if MESSAGES not in columns and not {PROMPT, RESPONSE} <= set(columns):
         raise no_chat_columns(f"'{cfg.dataset}'", columns)
@@ -316,160 +233,12 @@ def check_turns(all_messages: list, where: str) -> int:
     return unanswered
 
 
-def checked_conversation(messages, where: str) -> list[dict]:
-    """The conversation as the chat template takes it: each message's role and its content as one
-    string. Every message needs both, and one turn must be the assistant's (else there is nothing
-    to learn from it): one line naming `where`, at start-up."""
-    conversation = []
-    for message in messages or []:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ConfigError(
-                f"dataset: {where}: every message needs a 'role' and a 'content' string"
-            )
-        conversation.append({"role": message["role"], "content": text_of(message, where)})
-    roles = [message["role"] for message in conversation]
-    if "assistant" not in roles:
-        raise ConfigError(
-            f"dataset: {where} has no assistant turn, nothing to learn from (roles: "
-            f"{', '.join(roles) or 'none'})"
-        )
-    return conversation
-
-
-def text_of(message: dict, where: str) -> str:
-    """A message's content as one string: a string, or a list of text parts (OpenAI's shape,
-    [{"type": "text", "text": ...}]) joined a line apart, as vLLM joins them. Any other part (an
-    image) is one line: this example trains on text."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    parts = content if isinstance(content, list) else []
-    kinds = [part.get("type") if isinstance(part, dict) else None for part in parts]
-    other = next((kind for kind in kinds if kind != "text"), "text")
-    if parts and other != "text":
-        raise ConfigError(
-            f"dataset: {where}: a message has a part of type {other!r}; chat fine-tuning here "
-            "reads text alone (a content string, or parts of type 'text', which are joined)"
-        )
-    texts = [part.get("text") for part in parts]
-    if not parts or not all(isinstance(text, str) for text in texts):
-        raise ConfigError(
-            f"dataset: {where}: every message needs a 'role' and a 'content' string (or a list "
-            "of text parts)"
-        )
-    return "\n".join(texts)
-
-
-# ---------------------------------------------------------------- local files
-
-
-def read_local(path: Path):
-    """A local file (the train split), or a folder whose files are split by the names `datasets`
-    gives splits (train.jsonl, validation.jsonl, dev.csv, folders train/ and test/, ...; files
-    with other names: train), as datasets' DatasetDict."""
-    import datasets
-    from datasets.data_files import DataFilesDict, get_data_patterns
-
-    if path.is_file():
-        found = {"train": [path]}
-    elif not any(p.suffix in BUILDERS for p in path.rglob("*")):
-        found = {}
-    else:
-        patterns = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
-        found = {
-            str(split): [Path(f) for f in files if Path(f).suffix in BUILDERS]
-            for split, files in patterns.items()
-        }
-    found = {split: files for split, files in found.items() if files}
-    if not found:
-        raise ConfigError(f"dataset '{path}' holds no {', '.join(BUILDERS)} file")
-    return datasets.DatasetDict({split: read_split(files) for split, files in found.items()})
-
-
-def read_split(files: list[Path]):
-    """A split's files as one table: JSON read here (json_table), CSV and Parquet by `datasets`."""
-    import datasets
-
-    if all(BUILDERS[file.suffix] == "json" for file in files):
-        return json_table(files)
-    builder = BUILDERS[files[0].suffix]
-    return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]})["train"]
-
-
-def json_table(files: list[Path]):
-    """JSON files' rows as one table, read with the json module (json_rows), not with datasets'
-    JSON reader, which types a column by all its rows: one conversation's list of parts made it
-    read another's answer "9" as the number 9. Cached as datasets caches its own reader's tables,
-    so the packing after it is cached too: the table's key is the files' content."""
-    import datasets
-    import xxhash
-
-    rows = [row for file in files for row in json_rows(file)]  # a bad row: its line, here
-    kinds = {tuple(row) for row in rows}
-    if len(kinds) != 1:
-        raise ConfigError(
-            f"dataset: {', '.join(map(str, files))} "
-            + ("holds no rows" if not kinds else "mixes chat rows with prompt/response rows")
-        )
-    digest = xxhash.xxh3_64()
-    for file in files:
-        digest.update(file.read_bytes())
-    return datasets.Dataset.from_generator(
-        rows_of_files,
-        features=table_features(chat=MESSAGES in rows[0]),
-        gen_kwargs={"files": [str(file) for file in files], "content": digest.hexdigest()},
-    )
-
-
-def table_features(chat: bool):
-    """The table's columns, typed: strings, whatever JSON type a value could be read as."""
-    from datasets import Features, Value
-
-    if chat:
-        return Features({MESSAGES: [{"role": Value("string"), "content": Value("string")}]})
-    return Features({PROMPT: Value("string"), RESPONSE: Value("string")})
-
-
-def rows_of_files(files: list[str], content: str):
-    """datasets.Dataset.from_generator's generator (`content`, the files' digest, is only its cache
-    key: datasets hashes these arguments)."""
-    for file in files:
-        yield from json_rows(Path(file))
-
-
-def json_rows(path: Path) -> list[dict]:
-    """A JSON lines file's rows (or a .json file's array's), each as given: {"messages": the
-    checked conversation} or {"prompt", "response"} as strings. A bad one is one line naming the
-    file and the line (an array's: its entry)."""
-    rows = []
-    for where, row in json_values(path):
-        if isinstance(row, dict) and MESSAGES in row:
-            rows.append({MESSAGES: checked_conversation(row[MESSAGES], where)})
-        elif isinstance(row, dict) and {PROMPT, RESPONSE} <= set(row):
-            rows.append({PROMPT: str(row[PROMPT]), RESPONSE: str(row[RESPONSE])})
-        elif isinstance(row, dict):
-            raise no_chat_columns(where, row)
-        else:
-            raise ConfigError(f"dataset: {where} is a JSON {type(row).__name__}, not an object")
-    return rows
-
-
-def json_values(path: Path) -> list[tuple[str, object]]:
-    """(where, value) for each JSON value of the file: each line of JSON lines (blank lines
-    skipped), or each entry of a .json file that holds one array."""
-    text = path.read_text(encoding="utf-8-sig")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        entries = parsed(text, path)
-        return [(f"{path} entry {n}", entry) for n, entry in enumerate(entries, start=1)]
-    # "\n" alone ends a line of JSON lines (a string may hold a raw U+2028, which splitlines splits)
-    lines = enumerate(text.split("\n"), start=1)
-    return [(f"{path} line {n}", parsed(line, path, n)) for n, line in lines if line.strip()]
-
-
-def parsed(text: str, path: Path, line: int = 0):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(
-            f"dataset: {path} line {line or e.lineno} is not valid JSON: {e.msg} (column {e.colno})"
-        ) from None
+def chat_row(value: dict, where: str) -> dict:
+    """A JSON file's row as given (chat.read_splits reads the file): {"messages": the checked
+    conversation} or {"prompt", "response"} as strings. A bad one is one line naming the file and
+    the line."""
+    if MESSAGES in value:
+        return {MESSAGES: checked_conversation(value[MESSAGES], where)}
+    if {PROMPT, RESPONSE} <= set(value):
+        return {PROMPT: str(value[PROMPT]), RESPONSE: str(value[RESPONSE])}
+    raise no_chat_columns(where, value)
