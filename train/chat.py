@@ -12,6 +12,7 @@ examples/preference: DPO and its family).
                                             written, each row through the example's row_of, a bad
                                             line named) or a hub dataset
     train_and_eval(splits, cfg, noun)       the train split and the eval set, said in one line
+                                            (eval_split_name: which split is the eval set, if any)
     say(line)                               a line of the data's at start-up, first process only
 
 Nothing here knows about losses: each example's model.py does. Nothing here imports the fork's files.
