@@ -142,6 +142,9 @@ class Bucket:
             self.fs.auto_mkdir = True
         if hasattr(self.fs, "retries"):
             self.fs.retries = S3FS_RETRIES
+        loop = getattr(self.fs, "loop", None)  # an async filesystem's (s3fs): fsspec's event loop
+        if loop is not None:
+            loop.set_exception_handler(without_unclaimed_connection_errors)
 
     def reachability_problem(self) -> str | None:
         def look():
@@ -562,6 +565,19 @@ def failed_condition(error: BaseException) -> bool:
 
 
 INTACT = "; the checkpoints committed before it are intact: --resume latest once the store answers"
+
+
+def without_unclaimed_connection_errors(loop, context: dict) -> None:
+    """The store's event loop's handler of errors that nobody awaited. When a connection is reset
+    just as aiohttp hands it a request (a kept-alive one, taken by a retry as the store goes away),
+    the request fails and is retried or said in the run's one line, but its body's writer task
+    fails too, on the closing transport, and nobody retrieves that error: asyncio would print it
+    when the task is garbage-collected, "Task exception was never retrieved" and a traceback among
+    the run's lines. Such a connection error is dropped; anything else is logged as before."""
+    unclaimed = "never retrieved" in context.get("message", "")
+    if unclaimed and isinstance(context.get("exception"), ConnectionError):
+        return
+    loop.default_exception_handler(context)
 
 
 def client_options(url: str) -> dict:

@@ -21,6 +21,7 @@ from test_resume import children_of
 from test_two_node import accelerate_node, assert_same_run, finish, two_node_args
 
 from conftest import (
+    FAULTY_MAIN,
     LAUNCHER_FILE,
     REPO,
     accelerate_cmd,
@@ -316,9 +317,9 @@ def assert_one_line_and_no_traceback(result, *expected: str) -> str:
     errors = [line for line in own if line.startswith("error:")]
     assert result.returncode == 1, result.tail()
     assert len(errors) == 1, result.output[-4000:]
-    assert not [line for line in own if "Traceback" in line or "Exception ignored" in line], (
-        result.output[-4000:]
-    )
+    # "never retrieved": asyncio's words for an error a task left behind (with its traceback)
+    noise = ("Traceback", "Exception ignored", "never retrieved")
+    assert not [line for line in own if any(word in line for word in noise)], result.output[-4000:]
     for text in expected:
         assert text in errors[0], errors[0]
     return errors[0]
@@ -396,13 +397,25 @@ def test_a_store_gone_during_the_final_upload_names_the_export_on_disk_and_the_c
 ):
     """The server goes away while the run files and the export are uploaded at the end (after the
     last commit): one line that names them, where they are, and the command that finishes the job;
-    that command (--resume latest) resumes the last checkpoint, exports and uploads, bitwise."""
+    that command (--resume latest) resumes the last checkpoint, exports and uploads, bitwise.
+
+    The export's first request meets a connection reset just as aiohttp hands it over (forced here:
+    faulty_main's FAULT_STORE_RESET_AT; about 1 run in 3 by itself under load, as a retry takes a
+    kept-alive connection the store reset): aiohttp retries it, but its body's writer task fails too
+    and nobody retrieves that error. Before: asyncio printed "Task exception was never retrieved" and
+    a 10-line aiohttp traceback (ClientConnectionResetError) above the error line."""
     run = "gone-at-the-end"
     proxy, env = through_a_proxy(s3, tmp_path)
     on_the_first_upload_of(f"{run}/model.safetensors", monkeypatch, lambda: proxy.set("refuse"))
     args = baseline_args(f"s3://{BUCKET}/{run}", corpus, store_lease_s=4)
     staging = tmp_path / "pod1"
-    result = launch_accelerate([*args, "--staging_dir", staging], tmp_path, env_extra=env)
+    reset = {"FAULT_STORE_RESET_AT": f"/{run}/model.safetensors"}  # the export, not a checkpoint's
+    result = launch_accelerate(
+        [*args, "--staging_dir", staging],
+        tmp_path,
+        script=FAULTY_MAIN,
+        env_extra={**env, **reset},
+    )
     assert_one_line_and_no_traceback(
         result,
         "model.safetensors",

@@ -28,6 +28,11 @@ Environment variables, each optional, read once at start-up:
                           next collective
     FAULT_SLOW_DATA_S=s   every batch comes late on this rank (a straggler): s seconds, or 3 times the rank's own
                           time between two batches if longer (a slow model's step)
+    FAULT_STORE_RESET_AT=text  the store's reset of a connection is read by the event loop just after aiohttp
+                          handed the first request whose URL holds `text` to it, before the request's first
+                          byte: its body's writer task fails on the closing transport, and nobody retrieves that
+                          error (the race a store gone mid-upload meets at times: a kept-alive connection reset
+                          as a retry takes it)
     RECORD_SAMPLES=dir    each rank writes the train sample indices (streaming: block ids) it drew to dir/rank{r}.json
     RECORD_ADAPTERS=dir   after the resume (or the fresh start), each rank writes the adapter weights it holds
                           (under FSDP: its own shards) to dir/rank{r}.pt
@@ -280,6 +285,24 @@ def inject_disk_full(step: int) -> None:
     tracking.MetricsLogger.log = log
 
 
+def reset_the_store_connection_at(url_text: str) -> None:
+    from aiohttp import client_reqrep
+
+    original_send = client_reqrep.ClientRequest.send
+    done = {"reset": False}
+
+    async def send(self, conn):
+        response = await original_send(self, conn)
+        if url_text in str(self.url) and not done["reset"]:
+            done["reset"] = True
+            # as the loop reading the peer's reset now: the transport is closing when the writer task
+            # (created by send, not started yet: Python < 3.12) takes its first step
+            conn.protocol.transport.abort()
+        return response
+
+    client_reqrep.ClientRequest.send = send
+
+
 def record_samples(folder: str) -> None:
     """Wrap the train dataset so each rank records the indices it actually loaded and trained on (streaming: the
     ids of the blocks it drew)."""
@@ -391,6 +414,8 @@ if __name__ == "__main__":
         delay_batches(1e9, from_call=int(os.environ["FAULT_HANG_BATCH"]))
     if "FAULT_SLOW_DATA_S" in os.environ:
         delay_batches(float(os.environ["FAULT_SLOW_DATA_S"]), times_own_step=3.0)
+    if "FAULT_STORE_RESET_AT" in os.environ:
+        reset_the_store_connection_at(os.environ["FAULT_STORE_RESET_AT"])
     if "RECORD_SAMPLES" in os.environ:
         record_samples(os.environ["RECORD_SAMPLES"])
     if "RECORD_ADAPTERS" in os.environ:
