@@ -20,7 +20,9 @@
 # - say what it waits for. torchrun waits silently for every node to join (up to 600 s by default); here it
 #   gives up after RDZV_TIMEOUT_S (600 s by default; say more where nodes start slowly), and until the last
 #   node joins scripts/rendezvous.py says every 30 s how many have, of how many. A rendezvous that times out
-#   ends with one `error:` line naming them, exit 1.
+#   ends with one `error:` line naming them, exit 1. A stop while it waits (SIGTERM: the pod evicted, the job
+#   cancelled) is one `error:` line saying so, how many had joined and after how long, and exit 75 like any
+#   stop (130 on Ctrl-C, as the training's own): nothing trained, nothing failed, the job can start again.
 set -u
 : "${OUTPUT_DIR:?set OUTPUT_DIR to the run folder, the same at every restart of the job}"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-270}
@@ -41,20 +43,33 @@ esac
 rendezvous=$(mktemp)
 python scripts/rendezvous.py "$rendezvous" &
 watcher=$!
+started=$SECONDS
 torchrun --rdzv-conf "timeout=$RDZV_TIMEOUT_S" train/main.py --output_dir "$OUTPUT_DIR" \
     ${staging[@]+"${staging[@]}"} --resume latest "$@" &
 launcher=$!
-trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT
+stopped_on=""  # the signal that stopped the job, for the line after a stop before every node joined
+trap 'stopped_on=SIGTERM; kill -TERM "$launcher" 2>/dev/null' TERM
+trap 'stopped_on=SIGINT; kill -TERM "$launcher" 2>/dev/null' INT
 # a trapped signal ends `wait` early: wait again until torchrun itself has exited
 while true; do
     wait "$launcher"
     code=$?
     kill -0 "$launcher" 2>/dev/null || break
 done
+waited=$((SECONDS - started))
 kill "$watcher" 2>/dev/null
 read -r joined nodes address <"$rendezvous" 2>/dev/null || joined=""
 rm -f "$rendezvous"
 if [ -f "$run_dir/preempted.json" ]; then
+    exit 75
+fi
+if [ -n "$stopped_on" ] && [ -n "$joined" ] && [ "$joined" != "$nodes" ]; then
+    # torchrun, stopped while its rendezvous waited, says nothing of it: not a timeout, a stop
+    echo "error: stopped on $stopped_on while waiting for the job's nodes: $joined of $nodes had" \
+        "joined at $address after $waited s (this is node ${PET_NODE_RANK:-0}); nothing trained yet" >&2
+    if [ "$stopped_on" = SIGINT ]; then
+        exit 130
+    fi
     exit 75
 fi
 if [ "$code" -ne 0 ] && [ -n "$joined" ] && [ "$joined" != "$nodes" ]; then

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -193,3 +194,43 @@ def test_a_node_that_never_joins_is_said_while_waiting_and_in_one_line_at_the_ti
     ], done.stderr[-3000:]
     assert done.returncode == 1
     assert took < 60, f"{took:.0f} s"
+
+
+def test_a_stop_while_waiting_for_a_node_is_one_line_that_says_so_and_exit_75(tmp_path, corpus):
+    """Pod 0 starts, its peer never does, and the kubelet's SIGTERM comes while torchrun waits for it
+    (the pod evicted, the job cancelled): one `error:` line saying that the job was stopped while
+    waiting, how many nodes had joined and after how long (the test's own clock), and exit 75 like
+    any stop. Before: the timeout's line ("within RDZV_TIMEOUT_S=600 s" after a few seconds), exit 1."""
+    port = free_port()
+    command = [str(REPO / "scripts" / "torchrun_job.sh"), *run_args(corpus, tmp_path)]
+    started = time.monotonic()
+    pod = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=pod_env(tmp_path, 0, port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(pod.stdout), daemon=True)
+    reader.start()
+    deadline = started + 60
+    while not any(line.startswith("waiting for the job's nodes: 1 of 2") for line in lines):
+        assert time.monotonic() < deadline and pod.poll() is None, "".join(lines)[-3000:]
+        time.sleep(0.1)
+    time.sleep(3)  # torchrun waiting a while, far from its RDZV_TIMEOUT_S (600 s)
+    pod.send_signal(signal.SIGTERM)  # the kubelet signals the container's process 1 only
+    waited = time.monotonic() - started
+    assert pod.wait(timeout=60) == 75, "".join(lines)[-3000:]
+    reader.join(timeout=10)
+    errors = [line.rstrip("\n") for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, "".join(lines)[-3000:]
+    said = re.fullmatch(
+        rf"error: stopped on SIGTERM while waiting for the job's nodes: 1 of 2 had joined at "
+        rf"127\.0\.0\.1:{port} after (\d+) s \(this is node 0\); nothing trained yet",
+        errors[0],
+    )
+    assert said, errors[0]
+    assert abs(int(said.group(1)) - waited) <= 2, (errors[0], waited)
