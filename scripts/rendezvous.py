@@ -1,6 +1,7 @@
 """What scripts/torchrun_job.sh tells while torchrun waits for the job's nodes: one line every 30 s (or
 a third of the timeout) saying how many nodes have joined, out of how many, and at which address, until
-all have; the count is kept in STATE_FILE for the script's last line if they never do.
+all have; the count, taken every second, is kept in STATE_FILE for the script's last line if they never
+do, or if the job is stopped while it waits.
 
     python scripts/rendezvous.py STATE_FILE       (the job's shape from PET_NNODES, PET_NODE_RANK,
                                                    PET_MASTER_ADDR, PET_MASTER_PORT; RDZV_TIMEOUT_S)
@@ -13,11 +14,15 @@ reaches the main node. A node that cannot reach the main node's address counts n
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import time
 
 KEY = "torchrun_job/joined/"  # + a node's rank
+# how often the nodes are counted (said less often): the count a stop finds is at most this old, so
+# a job stopped just after the last node joined is not said to have been waiting for it
+COUNT_EVERY_S = 1.0
 
 
 def main(state_file: str) -> int:
@@ -33,6 +38,7 @@ def main(state_file: str) -> int:
     from torch.distributed import TCPStore
 
     started = time.monotonic()
+    said_at = -math.inf
     store = None
     while nodes > 1:
         joined = 0
@@ -57,13 +63,15 @@ def main(state_file: str) -> int:
         if joined == nodes:
             break
         waited = time.monotonic() - started
-        print(
-            f"waiting for the job's nodes: {joined} of {nodes} joined at {address} (this is node "
-            f"{rank}; {waited:.0f} s so far, torchrun gives up after RDZV_TIMEOUT_S={timeout:.0f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
-        time.sleep(every)
+        if waited - said_at >= every:
+            print(
+                f"waiting for the job's nodes: {joined} of {nodes} joined at {address} (this is node "
+                f"{rank}; {waited:.0f} s so far, torchrun gives up after RDZV_TIMEOUT_S={timeout:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            said_at = waited
+        time.sleep(COUNT_EVERY_S)
     with open(state_file, "w") as state:
         state.write(f"{nodes} {nodes} {address}\n")
     return 0
