@@ -86,8 +86,9 @@ def resumed_run_config(given: dict) -> tuple[str, dict]:
     if not given.get("resume"):
         return "", {}
     output_dir = str(given.get("output_dir") or "")
-    if not output_dir and given["resume"] == "latest" and run_numbers():
-        output_dir = numbered_run(max(run_numbers()))  # the run --resume latest will take
+    newest = not output_dir and given["resume"] == "latest" and run_numbers()
+    if newest:  # the run --resume latest will take (job.claim_run_folder checks that it fits)
+        output_dir = numbered_run(max(run_numbers()))
     if not output_dir:
         return "", {}
     folder = RunFolder(output_dir)
@@ -103,6 +104,10 @@ def resumed_run_config(given: dict) -> tuple[str, dict]:
     # checkpoint's to keep (resume.lr_horizon: a raised max_steps says what it does to it)
     for key in ("resume", "require_resume", "init_from", "lr_decay_steps"):
         values.pop(key, None)
+    if (
+        newest
+    ):  # the folder stays unnamed: claim_run_folder takes the newest, and says if it does not fit
+        values.pop("output_dir", None)
     return f"{path} (the run's own config, which a resume starts from)", values
 
 

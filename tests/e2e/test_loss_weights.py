@@ -34,6 +34,7 @@ FORK_FILES = REPO / "tests" / "helpers" / "uneven_masks"
 LR = 0.01
 BETAS = (0.9, 0.95)
 STEP = dict(
+    block_size=None,  # the shipped LM's data key: this fork's data.py has none
     max_steps=1,
     lr=LR,
     min_lr=LR,  # the first (only) step at lr itself
