@@ -277,8 +277,25 @@ def test_a_models_own_identity_joins_the_runs_under_model_names(monkeypatch):
     """model.py's optional identity(model): its entries as model/<name>, what a resume must find
     unchanged; a model.py without one adds nothing."""
     built = torch.nn.Linear(2, 2)
-    fork_model = types.SimpleNamespace(identity=lambda model: {"reference": f"{model.in_features}x"})
+    fork_model = types.SimpleNamespace(
+        identity=lambda model: {"reference": f"{model.in_features}x"}
+    )
     monkeypatch.setattr(task, "fork_file", lambda name: fork_model)
     assert task.model_identity(built) == {"model/reference": "2x"}
     monkeypatch.setattr(task, "fork_file", lambda name: types.SimpleNamespace())
     assert task.model_identity(built) == {}
+
+
+def test_dataset_not_given_is_the_data_files_default_or_none(monkeypatch):
+    """--dataset "" becomes data.py's DEFAULT_DATASET where it has one (so config.yaml says what was
+    read); a value given is kept; a data.py without one keeps "" (its own data, or none)."""
+    from run_config import config_class
+
+    cfg = config_class()()
+    shipped_like = types.SimpleNamespace(DEFAULT_DATASET="python_stdlib")
+    monkeypatch.setattr(task, "fork_file", lambda name: shipped_like)
+    assert task.with_data_default(cfg).dataset == "python_stdlib"
+    given = type(cfg)(dataset="corpus.jsonl")
+    assert task.with_data_default(given).dataset == "corpus.jsonl"
+    monkeypatch.setattr(task, "fork_file", lambda name: types.SimpleNamespace())
+    assert task.with_data_default(cfg).dataset == ""

@@ -469,6 +469,13 @@ def test_a_resumed_runs_summary_gives_the_runs_best_evaluation_and_a_forks_final
     assert "done: step 20 (this start: steps 11-20 in 0 min " in said
     assert "final eval (step 20): eval_loss 1.25" in said
     assert "best eval_loss: 0.75 at step 10" in said
+    # train on: twice the step reached, the cosine stretched to it
+    assert "train on to step 40 (the LR schedule stretched to it): python " in said
+    assert (
+        said.split("train on to step 40")[1]
+        .splitlines()[0]
+        .endswith("--resume latest --max_steps 40 --lr_decay_steps 40")
+    )
 
     accuracy_only = RunConfig(output_dir=str(tmp_path / "classifier"))
     log = MetricsLogger(accuracy_only, TorchDDP(accuracy_only))
