@@ -762,6 +762,10 @@ def test_a_resume_starts_from_the_runs_own_config_then_the_file_then_the_flags(
     argv = ["--output_dir", str(run_dir), "--resume", "latest", "--config", str(preset)]
     layered = load_config([*argv, "--max_steps", "80"])
     assert (layered.batch_size, layered.lr, layered.max_steps) == (32, 0.005, 80)
+    # an earlier version's full run saved lora_alpha's default: its resume is no LoRA key given
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**saved, "lora_r": 0, "lora_alpha": 16.0}))
+    assert load_config(["--output_dir", str(run_dir), "--resume", "latest"]).lora_alpha == 0
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     # no resume: the run's config is not read
     assert load_config(["--output_dir", str(run_dir)]).batch_size == RunConfig().batch_size
     # without --output_dir, the newest numbered run's
@@ -849,6 +853,13 @@ def test_every_preset_loads_after_a_fork_and_a_gpt_key_elsewhere_is_named(
         assert str(refused.value).startswith(
             "unknown key 'block_size': a key of the shipped causal LM (train/data.py's DataConfig"
         )
+        # a fork's run saved by an earlier version, when block_size and text_column were the
+        # template's keys: its resume leaves them out
+        old_run = tmp_path / "old_run"
+        old_run.mkdir()
+        (old_run / "config.yaml").write_text("block_size: 128\ntext_column: text\nlr: 0.02\n")
+        resumed = load_config(["--output_dir", str(old_run), "--resume", "latest"])
+        assert resumed.lr == 0.02 and not hasattr(resumed, "block_size")
         # a key in the section that is no key of the shipped LM is a typo, refused like any other
         mine.write_text("lm:\n  n_layers: 2\n")
         with pytest.raises(ConfigError) as refused:

@@ -62,6 +62,10 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     )
     # a resume continues the run as it was configured: the commands a run prints need no --config
     saved_path, saved = resumed_run_config({**from_file, **overrides})
+    # the shipped LM's keys a fork does not declare: template keys in earlier versions, so its
+    # older runs saved them
+    shipped = {key for keys in SHIPPED_KEYS.values() for key in keys}
+    saved = {key: value for key, value in saved.items() if key in types or key not in shipped}
     values = {**saved, **from_file, **overrides}
     # where each key came from, for the line that refuses it (a flag: the line itself)
     source = {key: f" in {saved_path}" for key in saved} | {
@@ -104,10 +108,14 @@ def resumed_run_config(given: dict) -> tuple[str, dict]:
     # checkpoint's to keep (resume.lr_horizon: a raised max_steps says what it does to it)
     for key in ("resume", "require_resume", "init_from", "lr_decay_steps"):
         values.pop(key, None)
-    if (
-        newest
-    ):  # the folder stays unnamed: claim_run_folder takes the newest, and says if it does not fit
+    # the newest run's folder stays unnamed: claim_run_folder takes it, and says if it does not fit
+    if newest:
         values.pop("output_dir", None)
+    # a run without adapters: their keys mean nothing (an earlier version saved lora_alpha's
+    # default, 16, which a run without lora_r now refuses as given)
+    if not values.get("lora_r"):
+        for key in ("lora_alpha", "lora_dropout", "lora_targets", "merge_adapter"):
+            values.pop(key, None)
     return f"{path} (the run's own config, which a resume starts from)", values
 
 
