@@ -40,8 +40,10 @@ def main(state_file: str) -> int:
     started = time.monotonic()
     said_at = -math.inf
     store = None
+    joined = (
+        0  # the last count taken: torchrun closes its store when it gives up, and that count stays
+    )
     while nodes > 1:
-        joined = 0
         try:
             if store is None:
                 host, port = address.rsplit(":", 1)
@@ -56,10 +58,10 @@ def main(state_file: str) -> int:
                 )
                 store.set(f"{KEY}{rank}", "1")
             joined = sum(store.check([f"{KEY}{i}"]) for i in range(nodes))
+            with open(state_file, "w") as state:
+                state.write(f"{joined} {nodes} {address}\n")
         except Exception:  # the main node's store is not up (yet), or went away
             store = None
-        with open(state_file, "w") as state:
-            state.write(f"{joined} {nodes} {address}\n")
         if joined == nodes:
             break
         waited = time.monotonic() - started
