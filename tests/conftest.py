@@ -114,6 +114,18 @@ def fork_with(root: Path, model_py: Path, data_py: Path) -> Path:
     return fork
 
 
+def example_file(example: str, file: str):
+    """examples/<example>/<file>.py as a module of its own, named <example>_<file> (train/ keeps the
+    names `model` and `data` for the shipped files)."""
+    spec = importlib.util.spec_from_file_location(
+        f"{example}_{file}", REPO / "examples" / example / f"{file}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 # the last line of a worker's traceback
 WORKER_EXCEPTION = re.compile(r"(\[rank\d+\]:\s*)?\w+(Error|Exception): ")
 WORKER_CRASH = re.compile(

@@ -8,28 +8,20 @@ folder's validation file as the eval set, messages as written (text parts joined
 string), and its bad input (no chat columns, a conversation without an assistant turn, a malformed
 line, an image part, a tokenizer without a chat template), each line naming the file and the line."""
 
-import importlib.util
 import json
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, write_chats
+from conftest import example_file, write_chats
 from errors import ConfigError, the_line
 
 
 def example_data(name: str):
     """The example's data.py as a module of its own (train/data.py keeps the name `data`)."""
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_data", REPO / "examples" / name / "data.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return example_file(name, "data")
 
 
 @dataclass(frozen=True)

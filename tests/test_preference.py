@@ -7,17 +7,15 @@ leaves on); the reference's digest; the rendering (the scored tokens are the ass
 each bad input's one line; and TRL's DPOTrainer on the same model, pairs and beta (pip install -r
 requirements-trl.txt)."""
 
-import importlib.util
 import json
 import math
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, example_file
 from errors import ConfigError
 
 PREFERENCE = REPO / "examples" / "preference"
@@ -25,11 +23,7 @@ PREFERENCE = REPO / "examples" / "preference"
 
 def example(name: str):
     """The example's model.py or data.py as a module of its own (train/ keeps `model` and `data`)."""
-    spec = importlib.util.spec_from_file_location(f"preference_{name}", PREFERENCE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return example_file("preference", name)
 
 
 @dataclass(frozen=True)
