@@ -19,8 +19,15 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 
-LAUNCHER_FRAME = re.compile(r"accelerate/commands/launch\.py|torch/distributed/(run|launcher)")
+# frames only the launcher runs: its entry points, and torch elastic's agent, whose signal handler raises
+# SignalException wherever the launcher happens to be (in its metrics wrapper, its monitor loop, ...)
+LAUNCHER_FRAME = re.compile(
+    r"accelerate/commands/launch\.py"
+    r"|torch/distributed/(run|launcher)"
+    r"|torch/distributed/elastic/(agent|metrics|multiprocessing/api)"
+)
 LAUNCHER_LOG = re.compile(r"^[WEI]\d{4} [\d:.]+ \d+ .*torch/distributed/")
 EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 STOPPED = re.compile(r"^(stopping at step \d+|stopped during start-up) on (SIGTERM|SIGUSR1|SIGINT)")
@@ -41,17 +48,37 @@ def main(argv: list[str]) -> int:
     signal.signal(
         signal.SIGINT, signal.SIG_IGN
     )  # the launcher and the workers get Ctrl-C themselves
-    stopped_code = None
-    failed_code = None
+    relayed = relay(launcher.stdout, sys.stdout)
+    code = launcher.wait()
+    if code == 0:
+        return 0
+    if relayed.failed_code is not None and relayed.failed_code > 1:  # 2, 75, 130: the worker's own
+        return relayed.failed_code
+    return relayed.stopped_code or code
+
+
+@dataclass
+class Relayed:
+    stopped_code: int | None = None  # the stop the workers reported (75, 130)
+    failed_code: int | None = (
+        None  # the first failed worker's exit code, from the launcher's summary
+    )
+
+
+def relay(lines, out) -> Relayed:
+    """Writes each line to `out` but the launcher's own: its log lines, and from the first traceback whose
+    frames are the launcher's, everything after (its SignalException, ChildFailedError summary). A worker's
+    traceback is written whole. Reads the exit codes the output tells on the way."""
+    relayed = Relayed()
     root_cause = False
     held: list[str] = []  # a traceback's first lines, until its frames say whose it is
     launchers = False  # inside the launcher's traceback and summary: to the end
-    for line in launcher.stdout:
+    for line in lines:
         if (match := STOPPED.match(line)) is not None:
-            stopped_code = STOP_CODES[match.group(2)]
+            relayed.stopped_code = STOP_CODES[match.group(2)]
         root_cause = root_cause or line.startswith("Root Cause")  # the summary's first failure
-        if root_cause and (match := EXIT_CODE.match(line)) is not None and failed_code is None:
-            failed_code = int(match.group(1))
+        if root_cause and relayed.failed_code is None and (match := EXIT_CODE.match(line)):
+            relayed.failed_code = int(match.group(1))
         if launchers or LAUNCHER_LOG.match(line):
             continue
         if line.startswith("Traceback (most recent call last)") or held:
@@ -59,18 +86,13 @@ def main(argv: list[str]) -> int:
             if LAUNCHER_FRAME.search(line):
                 launchers = True
             elif len(held) > 4:
-                sys.stdout.writelines(held)
+                out.writelines(held)
                 held = []
             continue
-        sys.stdout.write(line)
-        sys.stdout.flush()
-    code = launcher.wait()
-    sys.stdout.writelines([] if launchers else held)
-    if code == 0:
-        return 0
-    if failed_code is not None and failed_code > 1:  # 2, 75, 130: the worker's own code
-        return failed_code
-    return stopped_code or code
+        out.write(line)
+        out.flush()
+    out.writelines([] if launchers else held)
+    return relayed
 
 
 if __name__ == "__main__":

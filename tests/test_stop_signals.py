@@ -7,6 +7,8 @@ starts with torch's SIGTERM handler and its parent is the training process; `spa
 with Python's defaults; and `forkserver` (3.14's default), where its parent is the fork server.
 """
 
+import importlib.util
+import io
 import os
 import signal
 import subprocess
@@ -206,3 +208,76 @@ def test_a_dead_loader_worker_raised_again_inside_the_error_path_is_still_one_li
         "died, most often of the out-of-memory killer (fewer --num_workers, or less memory per "
         "sample); the last checkpoint is intact: --resume latest"
     ], result.stderr[-3000:]
+
+
+SITE = "/usr/lib/python3.11/site-packages"
+STOPPED = (
+    "stopping at step 7 on SIGTERM, checkpoint saved: continue with python scripts/launch.py ...\n"
+)
+
+
+def launch_script():
+    spec = importlib.util.spec_from_file_location("launch", REPO / "scripts" / "launch.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["launch"] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def traceback_from(*frames: str, last: str) -> list[str]:
+    lines = ["Traceback (most recent call last):\n"]
+    for frame in frames:
+        lines += [f'  File "{frame}", line 86, in somewhere\n', "    start = time.time()\n"]
+        lines += ["            ^^^^^^^^^^^\n"]
+    return [*lines, last + "\n"]
+
+
+@pytest.mark.parametrize(
+    "where_the_signal_lands",
+    [
+        # its entry point, its monitor loop, and (as in a CI run) its metrics wrapper, where the
+        # signal handler's frame comes second
+        [f"{SITE}/accelerate/commands/launch.py"],
+        [f"{SITE}/torch/distributed/elastic/agent/server/api.py"],
+        [
+            f"{SITE}/torch/distributed/elastic/metrics/api.py",
+            f"{SITE}/torch/distributed/elastic/multiprocessing/api.py",
+        ],
+    ],
+)
+def test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands(
+    where_the_signal_lands,
+):
+    signal_exception = (
+        "torch.distributed.elastic.multiprocessing.api.SignalException: got signal: 15"
+    )
+    output = [
+        "step 7/120 | loss 4.26\n",
+        STOPPED,
+        *traceback_from(*where_the_signal_lands, last=signal_exception),
+        "\n",
+        "During handling of the above exception, another exception occurred:\n",
+        *traceback_from(f"{SITE}/torch/distributed/run.py", last="ChildFailedError:"),
+        "  exitcode  : 75 (pid: 31151)\n",
+    ]
+    written = io.StringIO()
+    relayed = launch_script().relay(output, written)
+    assert written.getvalue() == "step 7/120 | loss 4.26\n" + STOPPED
+    assert relayed.stopped_code == 75
+
+
+def test_scripts_launch_writes_a_worker_s_traceback_whole():
+    """A bug in the job is the person's to read: its traceback passes through, then the launcher's
+    summary (Root Cause, the failed worker's exit code) is dropped and read."""
+    workers = traceback_from(
+        str(REPO / "train" / "main.py"),
+        str(REPO / "train" / "loop.py"),
+        f"{SITE}/torch/distributed/distributed_c10d.py",
+        last="RuntimeError: a bug",
+    )
+    summary = traceback_from(f"{SITE}/torch/distributed/run.py", last="ChildFailedError:")
+    summary += ["Root Cause (first observed failure):\n", "  exitcode  : 1 (pid: 2)\n"]
+    written = io.StringIO()
+    relayed = launch_script().relay([*workers, *summary], written)
+    assert written.getvalue() == "".join(workers)
+    assert relayed.failed_code == 1 and relayed.stopped_code is None
