@@ -517,6 +517,37 @@ BREAKS = (
         "weights = model.state_dict()",
         ("tests/test_preference.py",),
     ),
+    # the preference example end to end (tests/e2e/test_preference_runs.py)
+    Break(
+        "preference: the reference is the policy itself (e2e: it starts from the SFT run and learns)",
+        "examples/preference/model.py",
+        "frozen = frozen_copy(model)  # before the forward below is set",
+        "frozen = model  # before the forward below is set",
+        (
+            "tests/e2e/test_preference_runs.py::test_it_starts_from_the_sft_run_and_learns_against_"
+            "a_reference_that_never_moves",
+        ),
+        quick=False,
+    ),
+    Break(
+        "preference: a step's loss is the sum over its pairs, not the mean",
+        "examples/preference/model.py",
+        "loss=losses.mean(),",
+        "loss=losses.sum(),",
+        (
+            "tests/e2e/test_preference_runs.py::test_accumulation_and_world_size_change_only_"
+            "rounding",
+        ),
+        quick=False,
+    ),
+    Break(
+        "preference: the eval's reference column is the policy's chosen log-probs",
+        "examples/preference/model.py",
+        'columns["ref_chosen_logps"] = output.ref_chosen_logps',
+        'columns["ref_chosen_logps"] = output.chosen_logps',
+        ("tests/e2e/test_preference_runs.py::test_under_fsdp2_the_reference_never_moves",),
+        quick=False,
+    ),
     Break(
         "blind: prompt exactly block_size tokens long is no longer refused (off by one)",
         "examples/preference/data.py",
