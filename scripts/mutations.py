@@ -517,6 +517,25 @@ BREAKS = (
         "weights = model.state_dict()",
         ("tests/test_preference.py",),
     ),
+    # issue 50's unguarded behaviours
+    Break(
+        "LoRA: lora_alpha ignored (the default scale always)",
+        "train/adapters.py",
+        "lora_alpha=cfg.lora_alpha or DEFAULT_LORA_ALPHA,",
+        "lora_alpha=DEFAULT_LORA_ALPHA,",
+        (
+            "tests/test_adapters.py::test_the_merged_export_is_w_plus_alpha_over_r_times_b_a_from_the_checkpoint_s_adapters",
+        ),
+    ),
+    Break(
+        "LoRA: the merged export adds B A unscaled",
+        "train/adapters.py",
+        "scale = module.scaling[ADAPTER_NAME]",
+        "scale = 1.0",
+        (
+            "tests/test_adapters.py::test_the_merged_export_is_w_plus_alpha_over_r_times_b_a_from_the_checkpoint_s_adapters",
+        ),
+    ),
     # the preference example end to end (tests/e2e/test_preference_runs.py)
     Break(
         "preference: the reference is the policy itself (e2e: it starts from the SFT run and learns)",

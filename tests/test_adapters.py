@@ -130,6 +130,44 @@ def test_the_export_loads_with_peft_and_merged_with_from_pretrained(
             assert not torch.allclose(alone(input_ids=ids).logits, expected, atol=1e-4)
 
 
+@pytest.mark.parametrize("alpha, scale", [(12.0, 3.0), (0.0, 4.0)])  # 0: not given, 16
+def test_the_merged_export_is_w_plus_alpha_over_r_times_b_a_from_the_checkpoint_s_adapters(
+    tmp_path, alpha, scale
+):
+    """LoRA's scale, worked by hand (Hu et al. 2021: h = W x + alpha / r B A x): each merged weight of
+    the export equals the base weight plus alpha / r times the product of the B and A the checkpoint
+    holds, and adapter_config.json says the run's r and alpha."""
+    from safetensors.torch import load_file
+
+    cfg = RunConfig(**GPT, lora_r=4, lora_alpha=alpha, output_dir=str(tmp_path / "run"))
+    torch.manual_seed(0)
+    model = trained_a_little(task.training_model(cfg))
+    plumbing = TorchDDP(cfg)
+    parts = checkpoint.checkpoint_parts(plumbing, model, build_optimizer(model, cfg))
+    (tmp_path / "step").mkdir()
+    parts["model"].save(tmp_path / "step", "model", plumbing, writer=True)
+    adapters = load_file(str(tmp_path / "step" / "model.safetensors"))
+    torch.manual_seed(0)
+    base = task.build_model(RunConfig(**GPT)).state_dict()  # the frozen weights, from the seed
+    (tmp_path / "run").mkdir()
+    unmerged = checkpoint.export_model(plumbing, model, cfg)
+    config = json.loads((unmerged.parent / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, alpha or 16.0)
+    merged_cfg = RunConfig(
+        **GPT, lora_r=4, lora_alpha=alpha, merge_adapter=True, output_dir=str(tmp_path / "merged")
+    )
+    (tmp_path / "merged").mkdir()
+    merged = load_file(str(checkpoint.export_model(TorchDDP(merged_cfg), model, merged_cfg)))
+    adapted = sorted({name.split(".lora_")[0] for name in adapters})
+    assert adapted  # every linear layer of the blocks
+    for layer in adapted:
+        a = next(t for n, t in adapters.items() if n.startswith(f"{layer}.lora_A")).double()
+        b = next(t for n, t in adapters.items() if n.startswith(f"{layer}.lora_B")).double()
+        assert b.abs().sum() > 0  # trained: B is zero at the start
+        expected = base[f"{layer}.weight"].double() + scale * (b @ a)
+        torch.testing.assert_close(merged[f"{layer}.weight"].double(), expected, rtol=0, atol=1e-6)
+
+
 def test_targets_by_name_and_bad_ones_are_one_line_at_start_up(tmp_path):
     torch.manual_seed(0)
     model = task.training_model(RunConfig(**GPT, lora_r=2, lora_targets="qkv"))
