@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 
 import checkpoint
 import task
@@ -166,6 +167,42 @@ def test_the_merged_export_is_w_plus_alpha_over_r_times_b_a_from_the_checkpoint_
         assert b.abs().sum() > 0  # trained: B is zero at the start
         expected = base[f"{layer}.weight"].double() + scale * (b @ a)
         torch.testing.assert_close(merged[f"{layer}.weight"].double(), expected, rtol=0, atol=1e-6)
+
+
+def test_a_lora_checkpoint_of_a_model_with_batchnorm_restores_its_trained_statistics(tmp_path):
+    """BatchNorm's running statistics are no parameter and need no gradient, yet training moves them:
+    an adapter checkpoint that kept only what requires gradients would resume them at their start
+    (mean 0, variance 1) and evaluate with statistics the run never had."""
+    from adapters import add_lora
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+    cfg = RunConfig(lora_r=2, lora_targets="0,3", output_dir=str(tmp_path / "run"))
+    model = add_lora(build(), cfg).train()
+    optimizer = build_optimizer(model, cfg)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = 2 + 3 * torch.randn(16, 6, generator=generator)
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    statistics = {n: b.clone() for n, b in model.named_buffers()}
+    assert not torch.equal(statistics["1.running_mean"], torch.zeros(8))
+    assert int(statistics["1.num_batches_tracked"]) == 3
+    plumbing = TorchDDP(cfg)
+    parts = checkpoint.checkpoint_parts(plumbing, model, optimizer)
+    (tmp_path / "step").mkdir()
+    parts["model"].save(tmp_path / "step", "model", plumbing, writer=True)
+    fresh = add_lora(build(), cfg)
+    parts = checkpoint.checkpoint_parts(plumbing, fresh, build_optimizer(fresh, cfg))
+    parts["model"].load(tmp_path / "step", "model", plumbing)
+    for name, value in statistics.items():
+        assert torch.equal(dict(fresh.named_buffers())[name], value), name
+    # and the frozen base weights are not in it: they come from the build
+    saved = checkpoint.load_file(str(tmp_path / "step" / "model.safetensors"))
+    assert "0.base_layer.weight" not in saved and "1.running_var" in saved
 
 
 def test_targets_by_name_and_bad_ones_are_one_line_at_start_up(tmp_path):
