@@ -545,6 +545,16 @@ BREAKS = (
             "tests/test_adapters.py::test_a_lora_checkpoint_of_a_model_with_batchnorm_restores_its_trained_statistics",
         ),
     ),
+    Break(
+        "object storage: a stale lease is taken over with an unconditional put (both takers win)",
+        "train/storage.py",
+        "if not self.bucket.bounded(lost, lambda: self._put(IfMatch=etag)):",
+        "if not self.bucket.bounded(lost, lambda: self._put()):",
+        (
+            "tests/e2e/test_object_storage.py::test_two_jobs_taking_over_one_stale_lease_at_once_exactly_one_wins",
+        ),
+        quick=False,
+    ),
     # the preference example end to end (tests/e2e/test_preference_runs.py)
     Break(
         "preference: the reference is the policy itself (e2e: it starts from the SFT run and learns)",

@@ -458,6 +458,57 @@ def test_a_second_job_on_a_bucket_run_in_use_is_refused_in_one_line_and_the_leas
     assert f"{run}/.lease" not in s3.keys(f"{run}/")
 
 
+def test_two_jobs_taking_over_one_stale_lease_at_once_exactly_one_wins(s3, monkeypatch):
+    """A lease nobody renews (its job was killed), and two jobs that both waited it out and both hold
+    its ETag: each takes it over with a put conditional on that ETag (If-Match), one after the other
+    at the store. The first wins; the second's put finds another ETag and is refused in one line."""
+    import storage
+    from errors import ConfigError
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    url = f"s3://{BUCKET}/raced"
+    stale = {"holder": "host gone, pid 1, started long ago", "lease_s": 1, "renewed": 0}
+    s3.client.put_object(Bucket=BUCKET, Key="raced/.lease", Body=json.dumps(stale).encode())
+    both_hold_the_etag = threading.Barrier(2, timeout=60)
+    one_at_a_time = threading.Lock()
+    put = storage.Lease._put
+
+    def racing(self, **condition):
+        if "IfMatch" in condition and not getattr(self, "raced", False):
+            self.raced = True  # the take-over's put; the winner's renewals pass
+            both_hold_the_etag.wait()
+            with one_at_a_time:
+                return put(self, **condition)
+        return put(self, **condition)
+
+    monkeypatch.setattr(storage.Lease, "_put", racing)
+    leases = [storage.Lease(storage.Bucket(url), lease_s=1) for _ in range(2)]
+    outcomes = [None, None]
+
+    def take(index):
+        try:
+            leases[index].take(lambda line: None)
+            outcomes[index] = "won"
+        except ConfigError as refused:
+            outcomes[index] = str(refused)
+
+    takers = [threading.Thread(target=take, args=(index,)) for index in range(2)]
+    for taker in takers:
+        taker.start()
+    for taker in takers:
+        taker.join(timeout=60)
+    winner = outcomes.index("won")
+    loser = outcomes[1 - winner]
+    assert loser == (
+        f"output_dir '{url}' was taken over by another job a moment ago; choose another output_dir"
+    ), outcomes
+    holder = json.loads(s3.client.get_object(Bucket=BUCKET, Key="raced/.lease")["Body"].read())
+    assert holder["holder"] == leases[winner].holder
+    leases[winner].release()
+    assert "raced/.lease" not in s3.keys("raced/")
+
+
 def test_a_bucket_deleted_mid_run_is_one_line(s3, corpus, tmp_path):
     """A bucket of its own deleted between two checkpoints (everything in it, then the bucket): the
     next save is one line saying so, exit 1, no traceback."""
