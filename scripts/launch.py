@@ -7,14 +7,16 @@ Under `accelerate launch` (and torchrun) the training processes stop as the READ
 preemption's checkpoint, 130 after Ctrl-C's, 2 on a refused input, each failure in one `error:` line), but
 the launcher reports every such end as its own failure: exit 1, with a ~40-line ChildFailedError summary
 (or, on Ctrl-C and SIGTERM, a SignalException traceback) after the line that matters. This runs the
-launcher as a child, passes SIGTERM and SIGUSR1 on to it (Ctrl-C reaches every process of the terminal's
-group by itself), prints every line but the launcher's own traceback, summary and log lines, and exits
+launcher as a child, passes SIGTERM and SIGUSR1 on to it (and has it pass SIGUSR1 on to the workers,
+which torch elastic's launcher does not by default; Ctrl-C reaches every process of the terminal's group
+by itself), prints every line but the launcher's own traceback, summary and log lines, and exits
 with the code the job meant: the failed worker's exit code from the summary, else the stop the workers
 reported, else the launcher's.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -37,7 +39,11 @@ STOP_CODES = {"SIGTERM": 75, "SIGUSR1": 75, "SIGINT": 130}
 def main(argv: list[str]) -> int:
     command = [sys.executable, "-m", "accelerate.commands.launch", *argv]
     launcher = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=launcher_environment(os.environ),
     )
 
     def pass_on(signum, _frame):
@@ -55,6 +61,18 @@ def main(argv: list[str]) -> int:
     if relayed.failed_code is not None and relayed.failed_code > 1:  # 2, 75, 130: the worker's own
         return relayed.failed_code
     return relayed.stopped_code or code
+
+
+def launcher_environment(environment) -> dict:
+    """The environment, with SIGUSR1 among the signals torch elastic's launcher passes on to the
+    workers (PET_SIGNALS_TO_HANDLE, by default SIGTERM, SIGINT, SIGHUP and SIGQUIT): SIGUSR1 (SLURM's
+    --signal=USR1@N) would otherwise kill the launcher, and the workers would stop on its death, not
+    on the preemption (no preempted.json, and exit -10 from here)."""
+    handled = environment.get("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    names = [name.strip() for name in handled.split(",") if name.strip()]
+    if "SIGUSR1" not in names:
+        names.append("SIGUSR1")
+    return {**environment, "PET_SIGNALS_TO_HANDLE": ",".join(names)}
 
 
 @dataclass

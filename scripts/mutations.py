@@ -555,6 +555,16 @@ BREAKS = (
         ),
         quick=False,
     ),
+    Break(
+        "scripts/launch.py: SIGUSR1 left out of the signals the launcher passes on",
+        "scripts/launch.py",
+        '        names.append("SIGUSR1")',
+        "        pass",
+        (
+            "tests/e2e/test_launch.py::test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_traceback",
+        ),
+        quick=False,
+    ),
     # the preference example end to end (tests/e2e/test_preference_runs.py)
     Break(
         "preference: the reference is the policy itself (e2e: it starts from the SFT run and learns)",
@@ -659,6 +669,540 @@ BREAKS = (
         "if cfg.dataset or not default:",
         "if cfg.dataset or default:",
         ("tests/test_task.py::test_dataset_not_given_is_the_data_files_default_or_none",),
+    ),
+    # ---- issue 50, item 1: blind break audit. These rows were written BLIND to the tests: from
+    # README.md, docs/ and the code under train/, scripts/ and examples/ only, the tests chosen by
+    # their collected names (pytest --collect-only), never by reading them.
+    # A1: the step's loss weights and the LM loss
+    Break(
+        "blind50 A1: loss weights drop the accumulation factor (a micro-batch weighs 1/grad_accum too little)",
+        "train/batches.py",
+        "share = items * plumbing.num_processes * steps",
+        "share = items * plumbing.num_processes",
+        ("tests/test_task.py::test_loss_weights_make_the_step_a_mean_over_every_counted_item",),
+    ),
+    Break(
+        "blind50 A1: loss weights drop the world-size factor (every rank's step is 1/world too small)",
+        "train/batches.py",
+        "share = items * plumbing.num_processes * steps",
+        "share = items * steps",
+        ("tests/test_task.py::test_loss_weights_make_the_step_a_mean_over_every_counted_item",),
+    ),
+    Break(
+        "blind50 A1: the step's items are averaged over the ranks, not summed",
+        "train/batches.py",
+        'step_items = plumbing.reduce(items.sum(), "sum")',
+        'step_items = plumbing.reduce(items.sum(), "mean")',
+        ("tests/test_task.py::test_loss_weights_make_the_step_a_mean_over_every_counted_item",),
+    ),
+    Break(
+        "blind50 A1: loss weights divide by this rank's items, not the step's over all ranks (no all-reduce)",
+        "train/batches.py",
+        "return share.double() / step_items.clamp(min=1).double()",
+        "return share.double() / items.sum().clamp(min=1).double()",
+        ("tests/test_task.py::test_loss_weights_make_the_step_a_mean_over_every_counted_item",),
+    ),
+    Break(
+        "blind50 A1: the LM loss's last position is a target (token 0), not ignored",
+        "train/lm.py",
+        "targets = F.pad(labels[:, 1:], (0, 1), value=-100)",
+        "targets = F.pad(labels[:, 1:], (0, 1), value=0)",
+        (
+            "tests/test_model.py::test_the_loss_is_the_mean_over_counted_tokens_and_bitwise_the_old_one_on_packed_blocks",
+            "tests/test_model.py::test_shapes_and_loss_at_init_is_uniform",
+        ),
+    ),
+    Break(
+        "blind50 A1: counted_targets counts the unshifted labels (one target too many per sample)",
+        "train/lm.py",
+        "return (labels[:, 1:] != -100).sum()",
+        "return (labels != -100).sum()",
+        (
+            "tests/test_task.py::test_the_shipped_lm_counts_a_block_per_sample",
+            "tests/test_model.py::test_the_loss_is_the_mean_over_counted_tokens_and_bitwise_the_old_one_on_packed_blocks",
+        ),
+    ),
+    Break(
+        "blind50 A1: the LM loss divides by the unshifted labels' count (wrong one of labels/targets)",
+        "train/lm.py",
+        "mean_count = (targets != -100).sum().clamp(min=1) / targets.size(0)",
+        "mean_count = (labels != -100).sum().clamp(min=1) / targets.size(0)",
+        (
+            "tests/test_model.py::test_the_loss_is_the_mean_over_counted_tokens_and_bitwise_the_old_one_on_packed_blocks",
+        ),
+    ),
+    Break(
+        "blind50 A1: a batch with no counted target gives a NaN loss (clamp dropped)",
+        "train/lm.py",
+        "mean_count = (targets != -100).sum().clamp(min=1) / targets.size(0)",
+        "mean_count = (targets != -100).sum() / targets.size(0)",
+        (
+            "tests/test_model.py::test_the_loss_is_the_mean_over_counted_tokens_and_bitwise_the_old_one_on_packed_blocks",
+        ),
+    ),
+    Break(
+        "blind50 A1: the logged loss is the sum over micro-steps, not their mean",
+        "train/main.py",
+        "step_loss += loss.detach() / cfg.grad_accum_steps",
+        "step_loss += loss.detach()",
+        (
+            "tests/e2e/test_loss_weights.py::test_accumulation_and_ranks_give_the_full_batch_gradient_of_the_mean_over_counted_tokens",
+        ),
+        quick=False,
+    ),
+    # A2: chat rendering, assistant masks and packing
+    Break(
+        "blind50 A2: render adds the tokenizer's special tokens again (a second BOS before each turn)",
+        "train/chat.py",
+        'return tokenizer(text, add_special_tokens=False)["input_ids"]',
+        'return tokenizer(text)["input_ids"]',
+        (
+            "tests/test_example_data.py::test_chat_masks_count_exactly_the_assistant_s_tokens_as_the_template_marks_them",
+        ),
+    ),
+    Break(
+        "blind50 A2: a conversation that exactly fills the rest of a block starts a new one (> became >=)",
+        "examples/chat_sft/data.py",
+        'full = len(block["input_ids"]) + len(input_ids) > block_size',
+        'full = len(block["input_ids"]) + len(input_ids) >= block_size',
+        (
+            "tests/test_example_data.py::test_chat_packing_keeps_conversations_whole_in_order_with_their_own_positions",
+        ),
+    ),
+    Break(
+        "blind50 A2: packed conversations' positions continue across the block (they attend to each other)",
+        "examples/chat_sft/data.py",
+        'block["position_ids"] += list(range(len(input_ids)))',
+        'block["position_ids"] += list(range(len(block["position_ids"]), len(block["input_ids"])))',
+        (
+            "tests/test_example_data.py::test_chat_packing_keeps_conversations_whole_in_order_with_their_own_positions",
+        ),
+    ),
+    Break(
+        "blind50 A2: a packed block's padding is labelled with the pad token (padding trains)",
+        "examples/chat_sft/data.py",
+        'block["labels"] += [-100] * missing',
+        'block["labels"] += [pad_id] * missing',
+        (
+            "tests/test_example_data.py::test_chat_packing_keeps_conversations_whole_in_order_with_their_own_positions",
+            "tests/test_example_data.py::test_chat_masks_count_exactly_the_assistant_s_tokens_as_the_template_marks_them",
+        ),
+    ),
+    Break(
+        "blind50 A2: packing false still packs (the 'not packing' case of the new-block condition dropped)",
+        "examples/chat_sft/data.py",
+        'if block["input_ids"] and (full or not packing):',
+        'if block["input_ids"] and full:',
+        (
+            "tests/test_example_data.py::test_unpacked_each_row_is_one_conversation_padded_to_its_batch_s_longest",
+        ),
+    ),
+    Break(
+        "blind50 A2: unpacked rows are padded to block_size, not to their batch's longest",
+        "examples/chat_sft/data.py",
+        "padded_to = block_size if packing else 0  # 0: no padding",
+        "padded_to = block_size",
+        (
+            "tests/test_example_data.py::test_unpacked_each_row_is_one_conversation_padded_to_its_batch_s_longest",
+        ),
+    ),
+    Break(
+        "blind50 A2: collate pads an unpacked row's labels with token 0 (padding trains)",
+        "examples/chat_sft/data.py",
+        'padding = {"input_ids": 0, "labels": -100}',
+        'padding = {"input_ids": 0, "labels": 0}',
+        (
+            "tests/test_example_data.py::test_unpacked_each_row_is_one_conversation_padded_to_its_batch_s_longest",
+        ),
+    ),
+    Break(
+        "blind50 A2: the unanswered count looks at a conversation's first turn, not its last",
+        "examples/chat_sft/data.py",
+        'unanswered += conversation[-1]["role"] == "user"',
+        'unanswered += conversation[0]["role"] == "user"',
+        (
+            "tests/test_example_data.py::test_conversations_that_end_on_a_user_turn_are_one_warning_with_their_count",
+        ),
+    ),
+    Break(
+        "blind50 A2: a message's text parts are joined with nothing between them",
+        "train/chat.py",
+        'return "\\n".join(texts)',
+        'return "".join(texts)',
+        (
+            "tests/test_example_data.py::test_messages_are_read_as_written_and_text_parts_are_joined",
+        ),
+    ),
+    Break(
+        "blind50 A2: a conversation exactly block_size long is counted as cut (> became >=)",
+        "examples/chat_sft/data.py",
+        "cut = len(input_ids) > block_size",
+        "cut = len(input_ids) >= block_size",
+        (
+            "tests/test_example_data.py::test_chat_packing_keeps_conversations_whole_in_order_with_their_own_positions",
+        ),
+    ),
+    # A3: LoRA
+    Break(
+        "blind50 A3: --lora_dropout is ignored (the adapters' dropout is always peft's default 0)",
+        "train/adapters.py",
+        "        lora_dropout=cfg.lora_dropout,\n",
+        "",
+        (
+            "tests/test_adapters.py::test_only_the_adapters_of_the_blocks_linear_layers_train_and_sit_in_the_optimizer",
+            "tests/test_adapters.py::test_the_export_loads_with_peft_and_merged_with_from_pretrained",
+        ),
+    ),
+    Break(
+        "blind50 A3: adapter_config.json does not name the base model",
+        "train/adapters.py",
+        "config = lora_config(cfg, adapted, base_model=cfg.hf_model or None)",
+        "config = lora_config(cfg, adapted)",
+        (
+            "tests/test_adapters.py::test_the_export_loads_with_peft_and_merged_with_from_pretrained",
+        ),
+    ),
+    Break(
+        "blind50 A3: by default the adapters go on the linear layers outside the blocks (condition inverted)",
+        "train/adapters.py",
+        "return [name for name, module in linear.items() if id(module) in inside]",
+        "return [name for name, module in linear.items() if id(module) not in inside]",
+        (
+            "tests/test_adapters.py::test_only_the_adapters_of_the_blocks_linear_layers_train_and_sit_in_the_optimizer",
+        ),
+    ),
+    Break(
+        "blind50 A3: --lora_targets matches a name's suffix without the dot ('proj' adapts q_proj)",
+        "train/adapters.py",
+        'matched = [name for name in linear if name == wanted or name.endswith(f".{wanted}")]',
+        "matched = [name for name in linear if name.endswith(wanted)]",
+        ("tests/test_adapters.py::test_targets_by_name_and_bad_ones_are_one_line_at_start_up",),
+    ),
+    Break(
+        "blind50 A3: only the last --lora_targets name gets adapters",
+        "train/adapters.py",
+        "chosen += [name for name in matched if name not in chosen]",
+        "chosen = [name for name in matched if name not in chosen]",
+        ("tests/test_adapters.py::test_targets_by_name_and_bad_ones_are_one_line_at_start_up",),
+    ),
+    Break(
+        "blind50 A3: the merged export keeps peft's base_layer names (from_pretrained leaves them random)",
+        "train/adapters.py",
+        'return {name.replace(".base_layer.", "."): tensor for name, tensor in merged.items()}',
+        "return merged",
+        (
+            "tests/test_adapters.py::test_the_gpts_merged_export_is_a_plain_gpt_with_the_trained_logits",
+            "tests/test_adapters.py::test_the_export_loads_with_peft_and_merged_with_from_pretrained",
+        ),
+    ),
+    Break(
+        "blind50 A3: the exported adapter keeps the '.default.' in its names (peft loads no weights)",
+        "train/adapters.py",
+        'PEFT_PREFIX + name.replace(suffix, "."): tensor.contiguous()',
+        "PEFT_PREFIX + name: tensor.contiguous()",
+        (
+            "tests/test_adapters.py::test_the_export_loads_with_peft_and_merged_with_from_pretrained",
+        ),
+    ),
+    Break(
+        "blind50 A3: the adapter checkpoint part holds every parameter, frozen ones too",
+        "train/adapters.py",
+        "state = {name: p for name, p in module.named_parameters() if p.requires_grad}",
+        "state = {name: p for name, p in module.named_parameters()}",
+        (
+            "tests/test_adapters.py::test_a_checkpoint_holds_the_adapters_alone_and_restores_them",
+            "tests/test_adapters.py::test_an_adapter_checkpoint_part_counts_and_stages_the_adapters_alone",
+        ),
+    ),
+    Break(
+        "blind50 A3: a full checkpoint resumes as an adapter run (lora_r 0 saved is not compared)",
+        "train/resume.py",
+        "    if saved_rank != cfg.lora_r:\n",
+        "    if saved_rank and saved_rank != cfg.lora_r:\n",
+        (
+            "tests/test_adapters.py::test_resuming_a_full_checkpoint_as_an_adapter_run_or_the_reverse_is_one_line",
+        ),
+    ),
+    Break(
+        "blind50 A3: --merge_adapter inverted (merged by default, the adapter alone when asked to merge)",
+        "train/checkpoint.py",
+        "if adapted and not cfg.merge_adapter:",
+        "if adapted and cfg.merge_adapter:",
+        (
+            "tests/test_adapters.py::test_the_export_loads_with_peft_and_merged_with_from_pretrained",
+        ),
+    ),
+    Break(
+        "blind50 A3: a checkpoint's adapters are read back with lora_B left under peft's file names",
+        "train/adapters.py",
+        'for matrix in ("lora_A", "lora_B"):',
+        'for matrix in ("lora_A",):',
+        (
+            "tests/test_adapters.py::test_the_export_loads_with_peft_and_merged_with_from_pretrained",
+            "tests/test_adapters.py::test_two_exports_of_the_same_adapter_are_the_same_files",
+        ),
+    ),
+    # A4: scripts/launch.py and the stop signals
+    Break(
+        "blind50 A4: launch.py: a refused input (exit 2) exits with the launcher's 1 (> 1 became > 2)",
+        "scripts/launch.py",
+        "if relayed.failed_code is not None and relayed.failed_code > 1:",
+        "if relayed.failed_code is not None and relayed.failed_code > 2:",
+        ("tests/e2e/test_launch.py::test_a_refused_input_is_one_line_and_exit_2",),
+        quick=False,
+    ),
+    Break(
+        "blind50 A4: launch.py: a SIGUSR1 stop exits 130, not 75 (no requeue)",
+        "scripts/launch.py",
+        'STOP_CODES = {"SIGTERM": 75, "SIGUSR1": 75, "SIGINT": 130}',
+        'STOP_CODES = {"SIGTERM": 75, "SIGUSR1": 130, "SIGINT": 130}',
+        (
+            "tests/test_stop_signals.py::test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands",
+            "tests/test_stop_signals.py::test_scripts_launch_writes_a_worker_s_traceback_whole",
+        ),
+    ),
+    Break(
+        "blind50 A4: launch.py does not pass SIGUSR1 on (SLURM's --signal=USR1 kills launch.py alone)",
+        "scripts/launch.py",
+        "    signal.signal(signal.SIGUSR1, pass_on)\n",
+        "",
+        (
+            "tests/test_stop_signals.py::test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands",
+            "tests/test_stop_signals.py::test_scripts_launch_writes_a_worker_s_traceback_whole",
+        ),
+    ),
+    Break(
+        "blind50 A4: launch.py: a stop exits with the launcher's code, not the workers' 75/130",
+        "scripts/launch.py",
+        "return relayed.stopped_code or code",
+        "return code or relayed.stopped_code",
+        (
+            "tests/e2e/test_launch.py::test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_traceback[15-75]",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A4: launch.py: a SignalException raised in elastic's metrics wrapper is printed",
+        "scripts/launch.py",
+        'r"|torch/distributed/elastic/(agent|metrics|multiprocessing/api)"',
+        'r"|torch/distributed/elastic/(agent|multiprocessing/api)"',
+        (
+            "tests/test_stop_signals.py::test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands",
+        ),
+    ),
+    Break(
+        "blind50 A4: launch.py: the held first lines of the launcher's traceback are printed at the end",
+        "scripts/launch.py",
+        "out.writelines([] if launchers else held)",
+        "out.writelines(held)",
+        (
+            "tests/test_stop_signals.py::test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands",
+        ),
+    ),
+    Break(
+        "blind50 A4: launch.py: a stop during start-up is not read as a stop (exit 1, not 75)",
+        "scripts/launch.py",
+        'STOPPED = re.compile(r"^(stopping at step \\d+|stopped during start-up) on (SIGTERM|SIGUSR1|SIGINT)")',
+        'STOPPED = re.compile(r"^(stopping at step \\d+) on (SIGTERM|SIGUSR1|SIGINT)")',
+        (
+            "tests/test_stop_signals.py::test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands",
+            "tests/e2e/test_reliability.py::test_sigterm_during_start_up_is_a_clean_preemption",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A4: a rank that got no signal takes SIGTERM, not the cause the others voted (exit codes differ)",
+        "train/stopping.py",
+        "first_cause = next(cause for cause, count in zip(STOP_CAUSES, causes, strict=True) if count)",
+        "first_cause = STOP_CAUSES[0]",
+        (
+            "tests/e2e/test_launch.py::test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_traceback[2-130]",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A4: a stop during start-up leaves no requeue marker (preempted compared with 130)",
+        "train/job.py",
+        "preempted = stop_signals.exit_code == stop_signals.PREEMPTED_EXIT_CODE",
+        "preempted = stop_signals.exit_code == stop_signals.INTERRUPTED_EXIT_CODE",
+        ("tests/e2e/test_reliability.py::test_sigterm_during_start_up_is_a_clean_preemption",),
+        quick=False,
+    ),
+    # A5: the examples' metrics
+    Break(
+        "blind50 A5: text classification's F1 leaves out the false negatives",
+        "examples/text_classification/model.py",
+        "f1[name] = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0",
+        "f1[name] = 2 * tp / (2 * tp + fp) if tp + fp + fn else 0.0",
+        (
+            "tests/e2e/test_examples.py::test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set[text_classification]",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A5: text classification's binary f1 is the first (negative) class's",
+        "examples/text_classification/model.py",
+        'metrics["f1"] = f1[classes[1]]',
+        'metrics["f1"] = f1[classes[0]]',
+        (
+            "tests/e2e/test_examples.py::test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set[text_classification]",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A5: text classification's false positives count the true negatives",
+        "examples/text_classification/model.py",
+        'columns[f"fp_{index}"] = ((predicted == index) & (labels != index)).double()',
+        'columns[f"fp_{index}"] = ((predicted != index) & (labels != index)).double()',
+        (
+            "tests/e2e/test_examples.py::test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set[text_classification]",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A5: image classification's per-class accuracy is over all images, not the class's",
+        "examples/image_classification/model.py",
+        'metrics[f"accuracy/{name}"] = sums[f"right_{index}"] / of_class',
+        'metrics[f"accuracy/{name}"] = sums[f"right_{index}"] / samples',
+        (
+            "tests/e2e/test_examples.py::test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set[image_classification]",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A5: image classification's right_<class> counts every right image (class mask dropped)",
+        "examples/image_classification/model.py",
+        'columns[f"right_{index}"] = (of_class & right).double()',
+        'columns[f"right_{index}"] = right.double()',
+        (
+            "tests/e2e/test_examples.py::test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set[image_classification]",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A5: the LM's perplexity is exp of the summed loss, not the per-token loss",
+        "train/lm.py",
+        'metrics["perplexity"] = math.exp(min(metrics["loss"], 50))',
+        'metrics["perplexity"] = math.exp(min(sums["loss"], 50))',
+        ("tests/test_lm.py::test_every_column_but_tokens_is_reported_per_token",),
+    ),
+    Break(
+        "blind50 A5: the LM's eval columns compare each position with its own label (no shift)",
+        "train/lm.py",
+        "    targets = labels[:, 1:]\n",
+        "    targets = labels[:, :-1]\n",
+        ("tests/test_lm.py::test_eval_columns_are_exact_in_any_chunking_and_ignore_masked_labels",),
+    ),
+    Break(
+        "blind50 A5: a mixture's per-source eval metrics are over the other sources (== became !=)",
+        "train/evaluation.py",
+        "own = {name: value for (s, name), value in totals.items() if s == source}",
+        "own = {name: value for (s, name), value in totals.items() if s != source}",
+        (
+            "tests/e2e/test_mixture_runs.py::test_a_map_style_mixture_resumes_on_another_world_size_and_evaluates_each_source_exactly",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 A5: the eval's token count is floored at the wrong place (tokens divided by itself)",
+        "train/lm.py",
+        'metrics = {name: total / tokens for name, total in sums.items() if name != "tokens"}',
+        "metrics = {name: total / tokens for name, total in sums.items()}",
+        ("tests/test_lm.py::test_every_column_but_tokens_is_reported_per_token",),
+    ),
+    # A6: Hugging Face model and tokenizer checks
+    Break(
+        "blind50 A6: a tokenizer exactly as large as the model's vocabulary is refused (> became >=)",
+        "train/checks.py",
+        "if tokens > embedded:",
+        "if tokens >= embedded:",
+        (
+            "tests/test_hugging_face.py::test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts",
+            "tests/test_hugging_face.py::test_a_hugging_face_model_from_a_folder_pretrained_or_fresh",
+        ),
+    ),
+    Break(
+        "blind50 A6: block_size equal to the model's positions is refused (> became >=)",
+        "train/checks.py",
+        "if block_size and block_size > positions:",
+        "if block_size and block_size >= positions:",
+        (
+            "tests/test_hugging_face.py::test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts",
+            "tests/test_hugging_face.py::test_a_hugging_face_model_from_a_folder_pretrained_or_fresh",
+        ),
+    ),
+    Break(
+        "blind50 A6: the positions check reads GPT-2's n_positions only (a Llama's block_size is unchecked)",
+        "train/checks.py",
+        'positions = getattr(model_config, "max_position_embeddings", None) or block_size',
+        'positions = getattr(model_config, "n_positions", None) or block_size',
+        (
+            "tests/test_hugging_face.py::test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts",
+        ),
+    ),
+    Break(
+        "blind50 A6: a local model folder's weights are checked under model_weights config, not pretrained",
+        "train/checks.py",
+        'if cfg.model_weights == "pretrained" and os.path.isdir(cfg.hf_model):',
+        'if cfg.model_weights == "config" and os.path.isdir(cfg.hf_model):',
+        (
+            "tests/test_hugging_face.py::test_a_model_folder_that_cannot_be_loaded_as_configured_is_one_line_exit_2",
+        ),
+    ),
+    Break(
+        "blind50 A6: a folder's weight shapes are compared by their first dimension only",
+        "train/checks.py",
+        "if key in expected and expected[key] != shape:",
+        "if key in expected and expected[key][0] != shape[0]:",
+        (
+            "tests/test_hugging_face.py::test_a_model_folder_that_cannot_be_loaded_as_configured_is_one_line_exit_2",
+        ),
+    ),
+    Break(
+        "blind50 A6: --hf_model's pretrained weights load in their saved dtype, not fp32",
+        "train/lm.py",
+        "return AutoModelForCausalLM.from_pretrained(cfg.hf_model, dtype=torch.float32)",
+        "return AutoModelForCausalLM.from_pretrained(cfg.hf_model)",
+        (
+            "tests/test_hugging_face.py::test_a_hugging_face_model_from_a_folder_pretrained_or_fresh",
+        ),
+    ),
+    Break(
+        "blind50 A6: the vocabulary a model is built for leaves out the tokenizer's added tokens",
+        "train/lm.py",
+        "    return len(tokenizer)\n",
+        "    return tokenizer.vocab_size\n",
+        (
+            "tests/test_hugging_face.py::test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts",
+            "tests/test_hugging_face.py::test_documents_end_with_eos_and_ids_take_the_narrowest_unsigned_type",
+        ),
+    ),
+    Break(
+        "blind50 A6: a tokenizer without an EOS passes the packing check if it has a BOS",
+        "train/lm.py",
+        "if tokenizer is not None and tokenizer.eos_token_id is None:",
+        "if tokenizer is not None and tokenizer.bos_token_id is None:",
+        (
+            "tests/test_hugging_face.py::test_documents_end_with_eos_and_ids_take_the_narrowest_unsigned_type",
+        ),
+    ),
+    Break(
+        "blind50 A6: the '(the model's own, by default ...)' hint is said when --tokenizer was given",
+        "train/checks.py",
+        "            if cfg.tokenizer\n",
+        "            if not cfg.tokenizer\n",
+        (
+            "tests/test_hugging_face.py::test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts",
+        ),
+    ),
+    Break(
+        "blind50 A6: a --tokenizer named without --hf_model is not checked at start-up",
+        "train/checks.py",
+        'if not uses_hub_model(cfg) and cfg.tokenizer_name == "bytes":',
+        "if not uses_hub_model(cfg):",
+        (
+            "tests/test_hugging_face.py::test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts",
+        ),
     ),
 )
 

@@ -37,7 +37,9 @@ def test_a_refused_input_is_one_line_and_exit_2(tmp_path):
     assert said == ["error: lr must be > 0 (got -1.0)"]
 
 
-@pytest.mark.parametrize("stop, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+@pytest.mark.parametrize(
+    "stop, code", [(signal.SIGTERM, 75), (signal.SIGUSR1, 75), (signal.SIGINT, 130)]
+)
 def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_traceback(
     tmp_path, corpus, stop, code
 ):
@@ -62,11 +64,11 @@ def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_tracebac
     if stop == signal.SIGINT:
         os.killpg(job.pid, stop)  # Ctrl-C: the terminal signals its whole foreground group
     else:
-        job.send_signal(stop)  # a scheduler's SIGTERM, to the command it started
+        job.send_signal(stop)  # a scheduler's SIGTERM or SIGUSR1, to the command it started
     output, _ = job.communicate(timeout=120)
     assert job.returncode == code, output[-3000:]
     assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
-    name = "SIGINT" if stop == signal.SIGINT else "SIGTERM"
+    name = stop.name
     # the command to continue names the launcher it was started with, and no --config: the run's
     # own config.yaml is where a resume starts from
     said = f"on {name}, checkpoint saved: continue with "
@@ -79,8 +81,8 @@ def test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_tracebac
     stopped_at = max(row["step"] for row in read_metrics(out))
     newest = sorted(p.name for p in (out / "checkpoints").iterdir())[-1]
     assert newest == f"step_{stopped_at:08d}", output[-3000:]
-    # a scheduler's SIGTERM is a preemption to requeue; a person's Ctrl-C is not
-    assert (out / "preempted.json").exists() == (stop == signal.SIGTERM)
+    # a scheduler's SIGTERM or SIGUSR1 (SLURM's --signal) is a preemption to requeue; Ctrl-C is not
+    assert (out / "preempted.json").exists() == (stop != signal.SIGINT)
     if stop == signal.SIGTERM:
         every_printed_command_works_when_pasted(continue_with, out, tmp_path, stopped_at)
 
