@@ -14,6 +14,14 @@ examples/preference: DPO and its family).
     train_and_eval(splits, cfg, noun)       the train split and the eval set, said in one line
                                             (eval_split_name: which split is the eval set, if any)
     say(line)                               a line of the data's at start-up, first process only
+    end_of_turn_ids(tokenizer)              the tokens that end an assistant's turn (<|im_end|>, EOS)
+
+and what a model that is tuned against a reference needs of it (examples/rl; examples/preference
+has the same in its own model.py):
+
+    frozen_copy(model)                      the reference: a frozen copy, in eval mode
+    adapters_off(model) / evaluated(model)  the model with its LoRA adapters off / in eval mode, within
+    weights_digest(weights)                 xxh3_64 of a state dict: what a resume must find unchanged
 
 Nothing here knows about losses: each example's model.py does. Nothing here imports the fork's files.
 """
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from errors import ConfigError, first_line
@@ -326,3 +334,80 @@ def parsed(text: str, path: Path, line: int = 0):
         raise ConfigError(
             f"dataset: {path} line {line or e.lineno} is not valid JSON: {e.msg} (column {e.colno})"
         ) from None
+
+
+# ---------------------------------------------------------------- the end of a turn
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The tokens that end an assistant's turn: what the template writes after a reply (its first
+    special token there, e.g. <|im_end|>), and EOS. (scripts/sample.py --chat stops on the same.)"""
+    replied = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    asked = tokenizer.apply_chat_template(replied[:1], add_generation_prompt=True, tokenize=False)
+    whole = tokenizer.apply_chat_template(replied, tokenize=False)
+    after_reply = whole[len(asked) :].split("!", 1)[-1]
+    special = set(tokenizer.all_special_ids)
+    ending = [
+        i for i in tokenizer(after_reply, add_special_tokens=False)["input_ids"] if i in special
+    ]
+    return {*ending[:1], tokenizer.eos_token_id} - {None}
+
+
+# ---------------------------------------------------------------- the reference
+
+
+def frozen_copy(model):
+    """The reference: a copy of the model as loaded, frozen (no gradients), in eval mode."""
+    import copy
+
+    frozen = copy.deepcopy(model).eval()
+    frozen.requires_grad_(False)
+    return frozen
+
+
+@contextmanager
+def adapters_off(model):
+    """Every peft LoRA layer of the model skips its adapters within (the base model alone), and is
+    as it was after. Only the flag the layers read: peft's own enable_adapters(False) and
+    disable_adapter() also set requires_grad False on the adapters and set_adapter True on the way
+    back, which would unfreeze what the run froze or freeze what it trains."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:  # never the policy itself as its own reference: it would move with it
+        raise RuntimeError(
+            "the reference is the model with its LoRA adapters off (lora_r), but it has none"
+        )
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before, strict=True):
+            layer._disable_adapters = was
+
+
+@contextmanager
+def evaluated(model):
+    """The model in eval mode within (no dropout), each module's own mode back after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def weights_digest(weights: dict) -> str:
+    """xxh3_64 of the tensors, by name, with their dtypes and shapes."""
+    import torch
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    for name in sorted(weights):
+        tensor = weights[name].detach().cpu().contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()

@@ -120,6 +120,9 @@ def train(cfg, accelerator: Plumbing) -> int:
         # does alone (a straggler)
         with watch.timed("data"):
             micro_batches = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        # model.py's optional rollout: RL generates from the current policy and rewards it; its
+        # values (rewards, lengths) go on the step's line. Without one: as fetched, no values
+        micro_batches, rollout_values = task.rollout(model, micro_batches, cfg, state.step, watch)
         # each micro-batch's share of the step, by the items (tokens) its loss counts against all
         # the step's, on every rank: 1.0 each where they count the same (batches.loss_weights)
         watch.at("loss weights")  # the step's items summed over the ranks: a collective
@@ -168,6 +171,7 @@ def train(cfg, accelerator: Plumbing) -> int:
                     **throughput.report(),
                     **compile_report(),  # graphs compiled, and found in the kept cache
                     **watch.stragglers(),  # collective: the slowest rank against the median
+                    **rollout_values,  # model.py's rollout's, of this step
                 },
             )
             # a checkpoint written in the background is published once all ranks have written it

@@ -25,6 +25,14 @@ below, by these names (README "Make it yours"):
                                               adds them to the template's: YAML, --flags, --help)
               CHAT_MODEL = True               optional: scripts/sample.py talks to it with --chat
                                               (the prompt a user's turn); the summary says so
+              rollout(model, micro_batches,   optional: the step's micro-batches made into what it
+                      cfg, step)              trains on, each step before loss_items counts them:
+                                              RL generates from the current policy (the prepared
+                                              model) and rewards it (examples/rl). Returns
+                                              (micro_batches, {name: float}): the values are the
+                                              step's own, logged on its line (the same on every
+                                              rank). Every rank calls it at every step, so it may
+                                              run collectives
     data.py   build_datasets(cfg)             (train, eval): map-style datasets of samples
               collate(samples) -> dict        the model's keyword arguments
               packer(cfg)                     only with --streaming (streaming.py packs documents)
@@ -106,6 +114,18 @@ def packer(cfg):
 def loss_counter():
     """model.py's `loss_items(batch)`, or None: the task does not say what its loss averages over."""
     return getattr(fork_file("model"), "loss_items", None)
+
+
+def rollout(model, micro_batches: list, cfg, step: int, watch) -> tuple[list, dict]:
+    """model.py's optional `rollout(model, micro_batches, cfg, step)`: the micro-batches the step
+    trains on, and values of the step's own for its log line; without one, the micro-batches as
+    fetched and no values. `step`: the optimizer steps done (a resume knows it: RL seeds its
+    sampling with it). A hang in it is named as the rollout's (hangs.py)."""
+    fork_rollout = getattr(fork_file("model"), "rollout", None)
+    if fork_rollout is None:
+        return micro_batches, {}
+    watch.at("rollout (model.py)")
+    return fork_rollout(model, micro_batches, cfg, step)
 
 
 def tokens_per_sample(cfg) -> int | None:
