@@ -565,6 +565,13 @@ BREAKS = (
         ),
         quick=False,
     ),
+    Break(
+        "Ray: a worker's LOCAL_RANK is its global rank",
+        "scripts/ray/train.py",
+        '"LOCAL_RANK": str(context.get_local_rank()),',
+        '"LOCAL_RANK": str(context.get_world_rank()),',
+        ("tests/test_ray_worker.py",),
+    ),
     # the preference example end to end (tests/e2e/test_preference_runs.py)
     Break(
         "preference: the reference is the policy itself (e2e: it starts from the SFT run and learns)",
