@@ -5,6 +5,7 @@ padded to its longest, with an attention mask, as most SFT code does by default)
 
     python bench/sft_packing.py                      # CPU: a small Llama, 192 conversations
     python bench/sft_packing.py --device cuda --layers 8 --width 512 --conversations 2048
+    python bench/sft_packing.py --pairs              # preference pairs: is packing them worth it?
 
 Both train on every conversation once, forward, backward and an AdamW step per batch, in an order
 that alternates layouts round by round; reported: the assistant tokens trained per second (the
@@ -33,6 +34,25 @@ def conversations(count: int, seed: int = 0) -> list[tuple[list[int], list[int]]
         answer = max(1, length // 3)
         ids = [rng.randrange(4, 1000) for _ in range(length)]
         made.append((ids, [-100] * (length - answer) + ids[-answer:]))
+    return made
+
+
+def pairs(count: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Preference pairs as a DPO batch holds them: per pair two sequences, the prompt then the chosen
+    completion, the prompt then the rejected one (labels: the completion's ids), adjacent. Prompts
+    log-normal of median 60 tokens, each completion of median 120 (ultrafeedback-like: completions
+    longer than prompts), each sequence at most 500."""
+    rng = random.Random(seed)
+    made = []
+    for _ in range(count):
+        prompt = [
+            rng.randrange(4, 1000)
+            for _ in range(int(min(250, max(8, rng.lognormvariate(4.1, 0.7)))))
+        ]
+        for _side in ("chosen", "rejected"):
+            length = int(min(500 - len(prompt), max(4, rng.lognormvariate(4.8, 0.6))))
+            completion = [rng.randrange(4, 1000) for _ in range(length)]
+            made.append((prompt + completion, [-100] * len(prompt) + completion))
     return made
 
 
@@ -119,9 +139,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--pairs",
+        action="store_true",
+        help="preference pairs (two sequences each, --conversations/2 pairs) in place of conversations",
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    convs = conversations(args.conversations)
+    convs = pairs(args.conversations // 2) if args.pairs else conversations(args.conversations)
     counted = sum(sum(label != -100 for label in labels[1:]) for _, labels in convs)
     layouts = {
         "packed": packed_batches(convs, args.block_size, args.blocks_per_batch),
