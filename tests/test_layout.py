@@ -65,6 +65,7 @@ def test_only_the_seam_reaches_the_fork_files_and_the_loop_uses_it_through_few_n
         "model_identity",
         "check_loss_contract",
         "tokens_per_sample",
+        "rollout",  # model.py's optional rollout (RL), once a step
     }, used
     for fork_file in FORK_FILES:  # the fork's files may use the template's helpers, never the loop
         assert imports_of(fork_file).keys() <= FORK_IMPORTS, fork_file
