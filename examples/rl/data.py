@@ -71,10 +71,12 @@ def check_room(cfg, *parts) -> None:
         return
     longest, where = max(length for part in parts for length in part.lengths)
     if longest + cfg.max_new_tokens > positions:
+        room = positions - longest
+        fix = f"lower max_new_tokens to {room} or" if room > 0 else "the prompt alone fills them:"
         raise ConfigError(
             f"max_new_tokens: {cfg.max_new_tokens} after the longest prompt ({where}: {longest} "
             f"tokens) is {longest + cfg.max_new_tokens} positions, beyond the model's "
-            f"{positions}: lower max_new_tokens to {positions - longest} or shorten the prompt"
+            f"{positions}: {fix} shorten the prompt"
         )
 
 

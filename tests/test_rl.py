@@ -1,0 +1,546 @@
+"""The RL example (examples/rl: GRPO, DAPO, Dr. GRPO), through its own files as a fork runs them, each
+against a number worked out another way: each loss and its gradient against the formula written here
+in float64, token by token, each sequence run alone (no padding); a step's loss over micro-batches and
+two ranks, weighed by the template's loss_weights, against the formula over the whole step; the
+advantages against each group's rewards worked out here from the decoded completions (statistics'
+mean and stdev); the log-probs recorded at generation against a forward of the same tokens by the
+policy as it is at that step (after an update, not before); the same (seed, step, rank) giving the
+same tokens; and each bad input's one line. No download: the tiny chat Llama of conftest."""
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import example_file
+from errors import ConfigError, RunError
+
+
+def example(name: str):
+    """The example's model.py or data.py as a module of its own (train/ keeps `model` and `data`)."""
+    return example_file("rl", name)
+
+
+@dataclass(frozen=True)
+class Cfg:
+    """The keys the example's files read: the template's, and its ModelConfig's."""
+
+    hf_model: str = ""
+    dataset: str = ""
+    dataset_config: str = ""
+    dataset_split: str = "train"
+    eval_fraction: float = 0.25
+    model_weights: str = "pretrained"
+    init_from: str = ""
+    lora_r: int = 0
+    fsdp: str = "no"
+    seed: int = 1337
+    rl_loss: str = "grpo"
+    reward_weights: str = "exact_answer:1,word_order:0.5,same_words:0.25"
+    num_generations: int = 3
+    max_new_tokens: int = 6
+    temperature: float = 0.7
+    top_p: float = 1.0
+    scale_rewards: str = "group"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    beta: float = 0.0
+    updates_per_rollout: int = 1
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.hf_model
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# ---------------------------------------------------------------- the losses, in float64
+
+# a step's rows, by hand: prompts of different lengths (left-padded in the batch), completions of
+# max_new_tokens tokens of which the first `counted` count (the rest follow the end of the turn)
+PROMPTS = [[5, 17, 9, 40, 41], [7, 3, 99, 12, 18, 27, 33, 2]]
+COUNTED = [[6, 2, 4], [1, 5, 6]]  # per prompt, per completion (G = 3)
+ADVANTAGES = [[1.2, -0.7, -0.5], [0.3, 0.9, -1.2]]
+
+
+def hand_rows(vocab: int, cfg) -> list[dict]:
+    """The rows: prompt, completion (max_new_tokens ids), counted, advantage, and offsets that make
+    old and reference log-probs differ from the policy's (some ratios beyond the clip range)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for p, prompt in enumerate(PROMPTS):
+        for g in range(cfg.num_generations):
+            completion = torch.randint(10, vocab, (cfg.max_new_tokens,), generator=generator)
+            offsets = (
+                torch.rand(cfg.max_new_tokens, generator=generator, dtype=torch.float64) - 0.5
+            ) * 0.8
+            to_ref = torch.rand(cfg.max_new_tokens, generator=generator, dtype=torch.float64) - 0.5
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "completion": completion.tolist(),
+                    "counted": COUNTED[p][g],
+                    "advantage": ADVANTAGES[p][g],
+                    "old_offset": offsets.tolist(),
+                    "ref_offset": to_ref.tolist(),
+                }
+            )
+    return rows
+
+
+def alone_logps(model, row: dict, temperature: float) -> list:
+    """Each counted completion token's log-prob, the sequence run alone (no padding), float64
+    log_softmax of logits / temperature: a list of 0-d tensors (with their graph)."""
+    ids = torch.tensor([row["prompt"] + row["completion"][: row["counted"]]])
+    logits = type(model).forward(model, input_ids=ids).logits[0].double()
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    start = len(row["prompt"])
+    return [log_probs[start + t - 1, ids[0, start + t]] for t in range(row["counted"])]
+
+
+def formula_loss(model, rows: list[dict], cfg, old: dict, ref: dict):
+    """The module docstring's formula, token by token, in float64: old[i] and ref[i] the row's old
+    and reference log-probs (lists of floats)."""
+    per_row = []
+    for i, row in enumerate(rows):
+        terms = []
+        for t, logp in enumerate(alone_logps(model, row, cfg.temperature)):
+            old_t = (
+                logp.detach()
+                if cfg.updates_per_rollout == 1
+                else torch.tensor(old[i][t], dtype=torch.float64)
+            )
+            ratio = torch.exp(logp - old_t)
+            a = row["advantage"]
+            clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + cfg.epsilon_high)
+            term = -torch.minimum(ratio * a, clipped * a)
+            if cfg.beta > 0:
+                d = torch.tensor(ref[i][t], dtype=torch.float64) - logp
+                term = term + cfg.beta * (torch.exp(d) - d - 1)
+            terms.append(term)
+        per_row.append(terms)
+    if cfg.rl_loss == "grpo":
+        return sum(sum(terms) / len(terms) for terms in per_row) / len(per_row)
+    total = sum(sum(terms) for terms in per_row)
+    if cfg.rl_loss == "dapo":
+        return total / sum(len(terms) for terms in per_row)
+    return total / (len(per_row) * cfg.max_new_tokens)  # dr_grpo
+
+
+def old_and_ref(model, rows, cfg) -> tuple[dict, dict]:
+    """The rows' old and reference log-probs: the policy's now, offset by hand."""
+    old, ref = {}, {}
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            logps = [float(x) for x in alone_logps(model, row, cfg.temperature)]
+            old[i] = [x + o for x, o in zip(logps, row["old_offset"], strict=False)]
+            ref[i] = [x + o for x, o in zip(logps, row["ref_offset"], strict=False)]
+    return old, ref
+
+
+def example_batch(rows: list[dict], cfg, old: dict, ref: dict, pad: int = 0) -> dict:
+    """The rows as the example's rollout gives them to the forward: prompts left-padded, each
+    completion whole (its tokens after the end of turn masked), advantages, old and reference
+    log-probs (0 where not counted), and items (loss_items)."""
+    longest = max(len(row["prompt"]) for row in rows)
+    ids, attention, mask, olds, refs = [], [], [], [], []
+    for i, row in enumerate(rows):
+        padding = longest - len(row["prompt"])
+        ids.append([pad] * padding + row["prompt"] + row["completion"])
+        attention.append([0] * padding + [1] * (len(row["prompt"]) + cfg.max_new_tokens))
+        mask.append([1] * row["counted"] + [0] * (cfg.max_new_tokens - row["counted"]))
+        filler = [0.0] * (cfg.max_new_tokens - row["counted"])
+        olds.append(old[i] + filler)
+        refs.append(ref[i] + filler)
+    counted = sum(row["counted"] for row in rows) if cfg.rl_loss == "dapo" else len(rows)
+    return {
+        "input_ids": torch.tensor(ids),
+        "attention_mask": torch.tensor(attention),
+        "completion_mask": torch.tensor(mask),
+        "advantages": torch.tensor([row["advantage"] for row in rows], dtype=torch.float64),
+        "old_logps": torch.tensor(olds, dtype=torch.float64),
+        "ref_logps": torch.tensor(refs, dtype=torch.float64),
+        "items": torch.tensor(counted),
+    }
+
+
+def float64_model(chat_llama, cfg):
+    model = example("model").build_model(cfg).double()
+    model.train()
+    return model
+
+
+def gradients(model, loss) -> dict:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    scale = max(v.abs().max().item() for v in b.values())
+    return max((a[k] - b[k]).abs().max().item() for k in a) / scale
+
+
+SETTINGS = [
+    {"rl_loss": loss, "updates_per_rollout": updates, "beta": beta}
+    for loss in ("grpo", "dapo", "dr_grpo")
+    for updates, beta in ((1, 0.0), (2, 0.1))
+]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
+def test_each_loss_and_its_gradient_equal_the_formula_in_float64(chat_llama, setting):
+    cfg = Cfg(hf_model=str(chat_llama), **setting)
+    model = float64_model(chat_llama, cfg)
+    rows = hand_rows(model.config.vocab_size, cfg)
+    old, ref = old_and_ref(model, rows, cfg)
+    loss = model(**example_batch(rows, cfg, old, ref)).loss
+    got = gradients(model, loss)
+    expected = formula_loss(model, rows, cfg, old, ref)
+    wanted = gradients(model, expected)
+    assert loss.dtype == torch.float64
+    assert abs(loss.item() - expected.item()) <= 1e-12 * max(abs(expected.item()), 1e-3), (
+        loss.item(),
+        expected.item(),
+    )
+    assert relative_difference(got, wanted) < 1e-10
+    if cfg.updates_per_rollout > 1:  # the offsets put some ratios beyond the clip range
+        clipped = [abs(o) > 0.2 for row in rows for o in row["old_offset"][: row["counted"]]]
+        assert any(clipped) and not all(clipped)
+
+
+class TwoRanks:
+    """The plumbing loss_weights uses, for one of two ranks: the step's items summed over both."""
+
+    device = torch.device("cpu")
+    num_processes = 2
+
+    def __init__(self, other_items: int):
+        self.other_items = other_items
+
+    def reduce(self, tensor, op):
+        assert op == "sum"
+        return tensor + self.other_items
+
+
+@pytest.mark.parametrize("rl_loss", ["grpo", "dapo", "dr_grpo"])
+def test_a_step_over_micro_batches_and_ranks_is_the_formula_over_the_whole_step(
+    chat_llama, rl_loss, monkeypatch
+):
+    """2 ranks x 2 micro-batches x 3 rows of different token counts: each rank's loss is what the
+    loop backpropagates (sum of weight x .loss / micro-batches), DDP averages the ranks; the
+    result is the formula over all 12 rows at once."""
+    import batches
+    import task
+
+    cfg = Cfg(hf_model=str(chat_llama), rl_loss=rl_loss, updates_per_rollout=2, beta=0.1)
+    model = float64_model(chat_llama, cfg)
+    rows = hand_rows(model.config.vocab_size, cfg) * 2
+    rows = [dict(row, counted=max(1, (row["counted"] + i) % 7)) for i, row in enumerate(rows)]
+    old, ref = old_and_ref(model, rows, cfg)
+    parts = [list(range(k, k + 3)) for k in (0, 3, 6, 9)]  # rank 0: parts 0, 1; rank 1: 2, 3
+    micro = [
+        example_batch(
+            [rows[i] for i in part],
+            cfg,
+            {n: old[i] for n, i in enumerate(part)},
+            {n: ref[i] for n, i in enumerate(part)},
+        )
+        for part in parts
+    ]
+    rl_model = example("model")
+    monkeypatch.setattr(task, "fork_file", lambda name: rl_model)
+    items = [int(rl_model.loss_items(batch)) for batch in micro]
+    step_loss = 0
+    for rank in (0, 1):
+        mine = micro[2 * rank : 2 * rank + 2]
+        other = sum(items) - sum(items[2 * rank : 2 * rank + 2])
+        weights = batches.loss_weights(mine, TwoRanks(other))
+        rank_loss = sum(w * model(**b).loss for w, b in zip(weights, mine, strict=True)) / 2
+        step_loss = step_loss + rank_loss / 2  # DDP's mean over the ranks
+    got = gradients(model, step_loss)
+    expected = formula_loss(model, rows, cfg, old, ref)
+    wanted = gradients(model, expected)
+    assert abs(step_loss.item() - expected.item()) <= 1e-12 * abs(expected.item())
+    assert relative_difference(got, wanted) < 1e-10
+
+
+# ---------------------------------------------------------------- the rollout
+
+SORTS = [("sort: river alpha", "alpha river"), ("sort: maple ocean ember", "ember maple ocean")]
+
+
+def prompt_batch(cfg, pairs=SORTS) -> dict:
+    """A micro-batch of prompts as the example's data.py makes it."""
+    data = example("data")
+    from chat import chat_tokenizer
+
+    tokenizer = chat_tokenizer(cfg)
+    rows = []
+    for prompt, answer in pairs:
+        row = data.prompt_row({"prompt": prompt, "answer": answer}, "by hand")
+        rows.append(data.encode_prompt(row, tokenizer))
+    return data.collate(rows)
+
+
+def characters(completion: str, answer: str) -> float:
+    """A reward that differs between random completions: their length in characters."""
+    return float(len(completion))
+
+
+def with_reward(monkeypatch, function):
+    """The example's model.py with one more reward function, as a fork writes one in it."""
+    rl_model = example("model")
+    function.__module__ = rl_model.__name__
+    monkeypatch.setattr(rl_model, function.__name__, function, raising=False)
+    return rl_model
+
+
+def decoded(tokenizer, tokens: list[int]) -> str:
+    """A completion as text, by the test's own reading: up to its first end of turn."""
+    ends = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    cut = next((t for t, token in enumerate(tokens) if token in ends), len(tokens))
+    return tokenizer.decode(tokens[:cut])
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_each_group_s_rewards_against_its_mean(chat_llama, scale, monkeypatch):
+    rl_model = with_reward(monkeypatch, characters)
+    cfg = Cfg(
+        hf_model=str(chat_llama),
+        reward_weights="characters:0.5",
+        scale_rewards=scale,
+        num_generations=4,
+        max_new_tokens=8,
+    )
+    model = rl_model.build_model(cfg)
+    micro = [prompt_batch(cfg), prompt_batch(cfg, SORTS[::-1])]
+    trained, values = rl_model.rollout(model, micro, cfg, step=0)
+    tokenizer = model.rl.tokenizer
+    rewards = []
+    for batch in trained:
+        prompt = batch["input_ids"].size(1) - cfg.max_new_tokens
+        for row in batch["input_ids"][:, prompt:].tolist():
+            rewards.append(0.5 * len(decoded(tokenizer, row)))
+    groups = [rewards[k : k + 4] for k in range(0, len(rewards), 4)]
+    assert len({tuple(group) for group in groups}) > 1 and all(len(set(g)) > 1 for g in groups)
+    expected = []
+    for group in groups:
+        mean = statistics.mean(group)
+        std = {"group": statistics.stdev(group), "batch": statistics.stdev(rewards), "none": None}
+        for reward in group:
+            scale_by = 1.0 if std[scale] is None else std[scale] + 1e-4
+            expected.append((reward - mean) / scale_by)
+    got = torch.cat([batch["advantages"] for batch in trained]).tolist()
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert values["reward"] == pytest.approx(statistics.mean(rewards), rel=1e-12)
+    assert values["reward_std"] == pytest.approx(statistics.stdev(rewards), rel=1e-9)
+
+
+def forward_logps(model, batch: dict, temperature: float) -> list[list[float]]:
+    """Each counted completion token's log-prob by a forward of the whole row alone, float32."""
+    out = []
+    with torch.no_grad():
+        for ids, attention, mask in zip(
+            batch["input_ids"], batch["attention_mask"], batch["completion_mask"], strict=True
+        ):
+            counted = int(mask.sum())
+            kept = ids[attention.bool()][: len(ids[attention.bool()]) - len(mask) + counted]
+            logits = type(model).forward(model, input_ids=kept[None]).logits[0]
+            log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+            start = len(kept) - counted
+            out.append([log_probs[start + t - 1, kept[start + t]].item() for t in range(counted)])
+    return out
+
+
+def test_the_log_probs_recorded_at_generation_are_the_current_policy_s(chat_llama):
+    """Step 0's rollout records what the model gives its tokens; after an update (the weights moved
+    by hand), step 1's records what the moved model gives, not the model before."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), num_generations=3, max_new_tokens=8)
+    model = rl_model.build_model(cfg)
+    micro = [prompt_batch(cfg)]
+    for step in (0, 1):
+        (batch,), _ = rl_model.rollout(model, micro, cfg, step=step)
+        recorded = batch["old_logps"]
+        wanted = forward_logps(model, batch, cfg.temperature)
+        for row, logps in enumerate(wanted):
+            assert recorded[row, : len(logps)].tolist() == pytest.approx(logps, abs=2e-5)
+        before = wanted
+        with torch.no_grad():  # an update
+            generator = torch.Generator().manual_seed(step)
+            for _, parameter in sorted(model.named_parameters()):
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    stale = forward_logps(model, batch, cfg.temperature)  # the model after another update
+    assert (
+        max(
+            abs(a - b)
+            for r, s in zip(before, stale, strict=True)
+            for a, b in zip(r, s, strict=True)
+        )
+        > 1e-3
+    )
+
+
+def test_the_same_seed_step_and_rank_give_the_same_tokens_and_leave_the_rng_alone(chat_llama):
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), num_generations=4, max_new_tokens=8, temperature=1.0)
+    model = rl_model.build_model(cfg)
+    micro = [prompt_batch(cfg), prompt_batch(cfg)]
+    rng = torch.get_rng_state()
+    (a0, a1), _ = rl_model.rollout(model, micro, cfg, step=5)
+    assert torch.equal(torch.get_rng_state(), rng)  # training's own draws (dropout) unchanged
+    torch.manual_seed(99)  # whatever the global RNG holds
+    (b0, b1), _ = rl_model.rollout(model, micro, cfg, step=5)
+    (c0, _), _ = rl_model.rollout(model, micro, cfg, step=6)
+    assert torch.equal(a0["input_ids"], b0["input_ids"]) and torch.equal(
+        a1["input_ids"], b1["input_ids"]
+    )
+    # the micro-batch index and the step are in the seed: the same prompts, other tokens
+    assert not torch.equal(a0["input_ids"], a1["input_ids"])
+    assert not torch.equal(a0["input_ids"], c0["input_ids"])
+
+
+def test_updates_per_rollout_reuses_a_rollout_and_generates_at_its_steps(chat_llama):
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), updates_per_rollout=2, max_new_tokens=8)
+    model = rl_model.build_model(cfg)
+    micro = [prompt_batch(cfg)]
+    (a,), _ = rl_model.rollout(model, micro, cfg, step=2)
+    (b,), _ = rl_model.rollout(model, [prompt_batch(cfg, SORTS[::-1])], cfg, step=3)
+    (c,), _ = rl_model.rollout(model, micro, cfg, step=4)
+    assert b is a and c is not a
+    assert torch.equal(a["old_logps"], b["old_logps"])
+
+
+# ---------------------------------------------------------------- bad input, one line
+
+
+def test_a_reward_function_not_in_the_file_is_one_line_naming_the_ones_found(chat_llama):
+    cfg = Cfg(hf_model=str(chat_llama), reward_weights="exact_answer:1,correctness:2")
+    with pytest.raises(ConfigError) as e:
+        example("model").check_config(cfg)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("reward_weights:") and "'correctness'" in line
+    assert "found: exact_answer, same_words, word_order" in line
+    assert ConfigError.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "key, value, said",
+    [
+        ("num_generations", 1, "num_generations must be >= 2"),
+        ("rl_loss", "ppo", "rl_loss must be one of grpo, dapo, dr_grpo"),
+        ("scale_rewards", "rank", "scale_rewards must be one of"),
+        ("reward_weights", "exact_answer:lots", "exact_answer's weight must be a finite number"),
+        ("top_p", 0.0, "top_p must be in (0, 1]"),
+    ],
+)
+def test_each_bad_rl_key_is_one_line_naming_it(chat_llama, key, value, said):
+    cfg = replace(Cfg(hf_model=str(chat_llama)), **{key: value})
+    with pytest.raises(ConfigError, match=None) as e:
+        example("model").check_config(cfg)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_prompt_too_long_for_max_new_tokens_is_one_line_naming_it(chat_llama, tmp_path):
+    dataset = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [{"prompt": "sort: a b", "answer": "a b"}] * 3
+        + [{"prompt": "sort: " + "river " * 8, "answer": "x"}],
+    )
+    cfg = Cfg(hf_model=str(chat_llama), dataset=str(dataset), max_new_tokens=100)
+    with pytest.raises(ConfigError) as e:
+        example("data").check_config(cfg)
+    line = str(e.value)
+    assert line.startswith("max_new_tokens:") and f"{dataset} line 4" in line and "128" in line
+    assert "lower max_new_tokens to" in line and "\n" not in line
+    example("data").check_config(replace(cfg, max_new_tokens=8))  # room enough: no line
+
+
+@pytest.mark.parametrize(
+    "rows, said",
+    [
+        ([{"prompt": "sort: a b", "solution": "a b"}], "line 1 needs an 'answer'"),
+        (
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "yo"},
+                    ],
+                    "answer": "x",
+                }
+            ],
+            "line 1: its prompt ends on the assistant's turn",
+        ),
+    ],
+)
+def test_a_prompts_file_without_answers_is_one_line(chat_llama, tmp_path, rows, said):
+    dataset = write_jsonl(tmp_path / "bad.jsonl", rows * 4)
+    cfg = Cfg(hf_model=str(chat_llama), dataset=str(dataset))
+    with pytest.raises(ConfigError) as e:
+        example("data").check_config(cfg)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_hub_style_table_without_an_answer_column_is_one_line(chat_llama, tmp_path):
+    dataset = tmp_path / "prompts.csv"
+    dataset.write_text("prompt,solution\nsort: b a,a b\nsort: c a,a c\n")
+    cfg = Cfg(hf_model=str(chat_llama), dataset=str(dataset))
+    with pytest.raises(ConfigError) as e:
+        example("data").check_config(cfg)
+    assert "has no an 'answer' column" in str(e.value) and "columns: prompt, solution" in str(
+        e.value
+    )
+
+
+def broken(completion: str, answer: str) -> float:
+    raise ValueError("cannot parse")
+
+
+def not_a_number(completion: str, answer: str) -> float:
+    return math.nan
+
+
+@pytest.mark.parametrize(
+    "function, said",
+    [
+        (broken, "raised ValueError: cannot parse"),
+        (not_a_number, "returned nan, not a finite number"),
+    ],
+)
+def test_a_reward_function_that_fails_at_run_time_is_one_line_naming_it_and_the_prompt(
+    chat_llama, monkeypatch, function, said
+):
+    rl_model = with_reward(monkeypatch, function)
+    cfg = Cfg(hf_model=str(chat_llama), reward_weights=f"{function.__name__}:1")
+    model = rl_model.build_model(cfg)
+    with pytest.raises(RunError) as e:
+        rl_model.rollout(model, [prompt_batch(cfg)], cfg, step=0)
+    line = str(e.value)
+    assert line.startswith(f"reward function {function.__name__} {said}") and "\n" not in line
+    assert "on the prompt 'user\\nsort: river alpha" in line
+    assert RunError.exit_code == 1
+
+
+def test_without_a_rollout_the_seam_gives_the_micro_batches_as_fetched():
+    """The shipped model.py has no rollout: the loop's call is a no-op (the same list, no values)."""
+    import task
+
+    class Watch:
+        def at(self, phase):
+            raise AssertionError("no rollout: nothing to note")
+
+    micro = [{"input_ids": torch.zeros(1, 2)}]
+    got, values = task.rollout(None, micro, None, 0, Watch())
+    assert got is micro and values == {}
