@@ -964,9 +964,9 @@ BREAKS = (
         'STOP_CODES = {"SIGTERM": 75, "SIGUSR1": 75, "SIGINT": 130}',
         'STOP_CODES = {"SIGTERM": 75, "SIGUSR1": 130, "SIGINT": 130}',
         (
-            "tests/test_stop_signals.py::test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands",
-            "tests/test_stop_signals.py::test_scripts_launch_writes_a_worker_s_traceback_whole",
+            "tests/e2e/test_launch.py::test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_traceback[10-75]",
         ),
+        quick=False,
     ),
     Break(
         "blind50 A4: launch.py does not pass SIGUSR1 on (SLURM's --signal=USR1 kills launch.py alone)",
@@ -974,9 +974,9 @@ BREAKS = (
         "    signal.signal(signal.SIGUSR1, pass_on)\n",
         "",
         (
-            "tests/test_stop_signals.py::test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands",
-            "tests/test_stop_signals.py::test_scripts_launch_writes_a_worker_s_traceback_whole",
+            "tests/e2e/test_launch.py::test_a_stop_is_a_checkpoint_and_the_job_s_own_code_with_no_launcher_traceback[10-75]",
         ),
+        quick=False,
     ),
     Break(
         "blind50 A4: launch.py: a stop exits with the launcher's code, not the workers' 75/130",
@@ -1013,9 +1013,8 @@ BREAKS = (
         'STOPPED = re.compile(r"^(stopping at step \\d+) on (SIGTERM|SIGUSR1|SIGINT)")',
         (
             "tests/test_stop_signals.py::test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands",
-            "tests/e2e/test_reliability.py::test_sigterm_during_start_up_is_a_clean_preemption",
+            "tests/test_stop_signals.py::test_scripts_launch_writes_a_worker_s_traceback_whole",
         ),
-        quick=False,
     ),
     Break(
         "blind50 A4: a rank that got no signal takes SIGTERM, not the cause the others voted (exit codes differ)",
@@ -1041,16 +1040,6 @@ BREAKS = (
         "examples/text_classification/model.py",
         "f1[name] = 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0",
         "f1[name] = 2 * tp / (2 * tp + fp) if tp + fp + fn else 0.0",
-        (
-            "tests/e2e/test_examples.py::test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set[text_classification]",
-        ),
-        quick=False,
-    ),
-    Break(
-        "blind50 A5: text classification's binary f1 is the first (negative) class's",
-        "examples/text_classification/model.py",
-        'metrics["f1"] = f1[classes[1]]',
-        'metrics["f1"] = f1[classes[0]]',
         (
             "tests/e2e/test_examples.py::test_each_eval_metric_is_an_independent_count_over_exactly_the_eval_set[text_classification]",
         ),
