@@ -199,6 +199,67 @@ def test_chat_packing_keeps_conversations_whole_in_order_with_their_own_position
     assert conversations == [pair for pair in expected if any(label != -100 for label in pair[1])]
 
 
+def llama_style(chat_tokenizer):
+    """The chat tokenizer made to add a BOS, as Llama's does: `tokenizer(text)` puts <s> first, and
+    the chat template writes {{ bos_token }} at the start itself."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    assert tokenizer("hi")["input_ids"][0] == bos  # where rendering twice would show
+    return tokenizer
+
+
+def test_a_tokenizer_that_adds_a_bos_renders_one_bos_as_the_chat_template_does(
+    tmp_path, chat_tokenizer
+):
+    """transformers' own apply_chat_template(tokenize=True) gives the ids: exactly one BOS, first."""
+    chat = example_data("chat_sft")
+    tokenizer = llama_style(chat_tokenizer)
+    rows = [
+        json.loads(line)
+        for line in write_chats(tmp_path / "chats.jsonl", n=6).read_text().splitlines()
+    ]
+    for row in rows:
+        input_ids, _ = chat.encode(row["messages"], tokenizer)
+        expected = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)
+        assert input_ids == expected["input_ids"]
+        assert (
+            input_ids.count(tokenizer.bos_token_id) == 1 and input_ids[0] == tokenizer.bos_token_id
+        )
+
+
+def test_conversations_that_exactly_fill_a_block_are_one_block_each_at_its_own_positions(
+    chat_tokenizer,
+):
+    """The lengths and positions from encoding each conversation alone: two whose lengths sum to
+    block_size are one block, no padding, positions range(len_1) then range(len_2); one exactly
+    block_size long is a block of its own, not cut (no warning)."""
+    from transformers import AutoTokenizer
+
+    chat = example_data("chat_sft")
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    first = exchange("say river", "ok")["messages"]
+    second = exchange("say river river river river river", "ok")["messages"]
+    lengths = [len(chat.encode(messages, tokenizer)[0]) for messages in (first, second)]
+    assert lengths[0] != lengths[1]
+    block_size = sum(lengths)
+    blocks = chat.pack_conversations({"messages": [first, second]}, tokenizer, block_size)
+    assert len(blocks["input_ids"]) == 1
+    alone = [chat.encode(messages, tokenizer)[0] for messages in (first, second)]
+    assert blocks["input_ids"][0] == alone[0] + alone[1]  # no padding
+    assert blocks["position_ids"][0] == list(range(lengths[0])) + list(range(lengths[1]))
+    assert blocks["cut"] == [0]
+    exactly = chat.pack_conversations({"messages": [second]}, tokenizer, lengths[1])
+    assert exactly["input_ids"] == [alone[1]] and exactly["cut"] == [0]
+
+
 @pytest.mark.parametrize(
     "rows, message",
     [

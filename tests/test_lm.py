@@ -41,7 +41,23 @@ def test_eval_columns_are_exact_in_any_chunking_and_ignore_masked_labels():
 def test_every_column_but_tokens_is_reported_per_token():
     metrics = token_metrics({"tokens": 10.0, "loss": 23.0, "accuracy": 4.0, "top5": 7.0})
     assert metrics["loss"] == 2.3 and metrics["accuracy"] == 0.4 and metrics["top5"] == 0.7
+    # tokens is the divisor, not a metric: the reported keys, listed by hand
+    assert metrics.keys() == {"loss", "accuracy", "top5", "perplexity"}
     assert metrics["perplexity"] == pytest.approx(2.718281828**2.3)
+
+
+def test_a_batch_with_no_counted_target_has_loss_zero_and_a_zero_gradient():
+    """By hand: no (position, next label) pair counts, so the sum over counted tokens is 0 and so is
+    its gradient; a step with such a micro-batch (a conversation whose answer fell outside its
+    block) moves the weights as the step without it does, instead of making them NaN."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    nothing_counted = torch.full((2, 5), -100)
+    nothing_counted[:, 0] = 3  # a first label is never a target: no position predicts it
+    loss = causal_lm_loss(logits, nothing_counted)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
 
 
 def test_a_loss_without_the_next_token_shift_is_refused_in_one_line():
