@@ -228,6 +228,90 @@ def test_targets_by_name_and_bad_ones_are_one_line_at_start_up(tmp_path):
         load_checked_config(["--merge_adapter", "true"])
 
 
+def test_lora_targets_match_whole_dotted_names_and_several_names_adapt_their_union():
+    """Hand-listed: 'proj' is the layer named proj, not q_proj or out_proj that end with the same
+    letters (peft's own rule: the name or its last dotted parts), and 'proj,fc' adapts both."""
+    from adapters import add_lora
+
+    model = nn.ModuleDict(
+        {
+            "attn": nn.ModuleDict({"q_proj": nn.Linear(4, 4), "proj": nn.Linear(4, 4)}),
+            "mlp": nn.ModuleDict({"fc": nn.Linear(4, 4), "out_proj": nn.Linear(4, 4)}),
+        }
+    )
+    adapted = add_lora(model, RunConfig(lora_r=2, lora_targets="proj,fc"))
+    names = {n.split(".lora_")[0] for n, p in adapted.named_parameters() if p.requires_grad}
+    assert names == {"attn.proj", "mlp.fc"}
+
+
+LLAMA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+IDS = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def exported_llama_adapter(run_dir, tiny_llama, bpe_tokenizer):
+    """A LoRA run of the tiny Llama (r 4, alpha 8, dropout 0.1), trained a little and exported as
+    an adapter: (its config, the trained model, its logits on `IDS`, the export's path)."""
+    cfg = RunConfig(
+        hf_model=str(tiny_llama),
+        tokenizer=str(bpe_tokenizer),
+        block_size=8,
+        lora_r=4,
+        lora_alpha=8.0,
+        lora_dropout=0.1,
+        output_dir=str(run_dir),
+    )
+    torch.manual_seed(0)
+    model = trained_a_little(task.training_model(cfg), vocab=300).eval()
+    with torch.no_grad():
+        logits = model(input_ids=IDS).logits
+    return cfg, model, logits, checkpoint.export_model(TorchDDP(cfg), model, cfg)
+
+
+def test_the_adapter_export_is_what_peft_saves_and_names_the_run_s_base_model_and_dropout(
+    tmp_path, tiny_llama, bpe_tokenizer
+):
+    """Against peft's own save_pretrained of the same adapter (get_peft_model on the same base):
+    the same tensor names and shapes; adapter_config.json holds the run's dropout and --hf_model,
+    so AutoPeftModelForCausalLM loads it from the folder alone, with the trained logits."""
+    from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    cfg, model, expected, path = exported_llama_adapter(run_dir, tiny_llama, bpe_tokenizer)
+    dropouts = [m.lora_dropout["default"] for m in model.modules() if isinstance(m, LoraLayer)]
+    assert len(dropouts) == 2 * len(LLAMA_LAYERS)  # 2 blocks
+    assert all(type(d) is nn.Dropout and d.p == 0.1 for d in dropouts)
+    written = json.loads((run_dir / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str(tiny_llama)
+    assert (written["r"], written["lora_alpha"], written["lora_dropout"]) == (4, 8.0, 0.1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    peft_own = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=list(LLAMA_LAYERS))
+    )
+    peft_own.save_pretrained(tmp_path / "peft")
+    theirs = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    ours = load_file(str(path))
+    assert {n: t.shape for n, t in ours.items()} == {n: t.shape for n, t in theirs.items()}
+    loaded = AutoPeftModelForCausalLM.from_pretrained(run_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=IDS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_scripts_read_a_lora_run_s_adapter_export_back_with_the_trained_logits(
+    tmp_path, tiny_llama, bpe_tokenizer
+):
+    """harness.adapted_model, what scripts/evaluate.py and sample.py load a LoRA run with: the
+    trained model's own logits, not the base's (B is zero at the start)."""
+    import harness
+
+    cfg, _, expected, _ = exported_llama_adapter(tmp_path / "run", tiny_llama, bpe_tokenizer)
+    loaded = harness.adapted_model(tmp_path / "run", cfg, task.build_model).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=IDS).logits, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_gpts_merged_export_is_a_plain_gpt_with_the_trained_logits(tmp_path):
     cfg = RunConfig(**GPT, lora_r=4, merge_adapter=True, output_dir=str(tmp_path / "run"))
     torch.manual_seed(0)
