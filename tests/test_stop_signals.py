@@ -210,6 +210,30 @@ def test_a_dead_loader_worker_raised_again_inside_the_error_path_is_still_one_li
     ], result.stderr[-3000:]
 
 
+class OtherRankVoted:
+    """The vote's all-reduce as a rank that got no signal sees it: the other rank's vote for
+    `cause` (one count in STOP_CAUSES' order), this rank's own zeros added."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, cause: str):
+        self.others = torch.tensor([float(c == cause) for c in stopping.STOP_CAUSES])
+
+    def reduce(self, votes, op):
+        assert op == "sum"
+        return votes + self.others
+
+
+@pytest.mark.parametrize("cause, code", [("SIGINT", 130), ("SIGUSR1", 75), ("SIGTERM", 75)])
+def test_a_rank_that_got_no_signal_takes_the_cause_the_others_voted_and_its_exit_code(cause, code):
+    """By hand, the README's codes: Ctrl-C on one rank makes every rank exit 130 (no requeue), a
+    preemption's signal 75; the rank without a signal says and exits as the one that got it."""
+    signals = stopping.StopSignals()  # this rank: no signal
+    assert signals.requested(OtherRankVoted(cause)) is True
+    assert (signals.signal_name, signals.exit_code) == (cause, code)
+    assert stopping.StopSignals().requested(OtherRankVoted("none")) is False
+
+
 SITE = "/usr/lib/python3.11/site-packages"
 STOPPED = (
     "stopping at step 7 on SIGTERM, checkpoint saved: continue with python scripts/launch.py ...\n"
@@ -243,6 +267,15 @@ def traceback_from(*frames: str, last: str) -> list[str]:
             f"{SITE}/torch/distributed/elastic/metrics/api.py",
             f"{SITE}/torch/distributed/elastic/multiprocessing/api.py",
         ],
+        # in the wrapper's own put_metric, just after the wrapped call returned, then a second
+        # signal while the wrapper handles the first (under SLURM the launcher gets SIGTERM twice:
+        # the step's own, and launch.py's pass-on): two metrics frames fill the lines held (the
+        # handler's frame is the 8th line), so the metrics frames alone must say whose it is
+        [
+            f"{SITE}/torch/distributed/elastic/metrics/api.py",
+            f"{SITE}/torch/distributed/elastic/metrics/api.py",
+            f"{SITE}/torch/distributed/elastic/multiprocessing/api.py",
+        ],
     ],
 )
 def test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands(
@@ -264,6 +297,28 @@ def test_scripts_launch_drops_the_launcher_s_traceback_wherever_the_signal_lands
     relayed = launch_script().relay(output, written)
     assert written.getvalue() == "step 7/120 | loss 4.26\n" + STOPPED
     assert relayed.stopped_code == 75
+
+
+@pytest.mark.parametrize("signal_name, code", [("SIGTERM", 75), ("SIGUSR1", 75), ("SIGINT", 130)])
+def test_scripts_launch_reads_a_stop_during_start_up_as_that_stop(signal_name, code):
+    """The README's codes, by hand: 75 after a preemption's signal, 130 after Ctrl-C, also when the
+    job stopped before its first step (job.py's start-up line) and the launcher's summary has no Root
+    Cause to read a worker's code from."""
+    stopped = (
+        f"stopped during start-up on {signal_name}: nothing trained yet; start again with: "
+        "python scripts/launch.py ...\n"
+    )
+    signal_exception = (
+        "torch.distributed.elastic.multiprocessing.api.SignalException: got signal: 15"
+    )
+    output = [
+        stopped,
+        *traceback_from(f"{SITE}/torch/distributed/run.py", last=signal_exception),
+    ]
+    written = io.StringIO()
+    relayed = launch_script().relay(output, written)
+    assert written.getvalue() == stopped
+    assert (relayed.stopped_code, relayed.failed_code) == (code, None)
 
 
 def test_scripts_launch_writes_a_worker_s_traceback_whole():
