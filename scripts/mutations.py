@@ -1237,6 +1237,17 @@ BREAKS = (
         ),
     ),
     Break(
+        "blind50 B1: the sampler is not seeded (seed: in the space does nothing)",
+        "scripts/sweep.py",
+        "self.study.sampler = kind(seed=seed)",
+        "self.study.sampler = kind()",
+        (
+            "tests/test_sweep_driver.py::test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes",
+            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
+            "tests/test_sweep_driver.py::test_a_launch_command_that_cannot_train_stops_the_sweep_in_one_line",
+        ),
+    ),
+    Break(
         "blind50 B1: a trial the pruner stops gets no SIGTERM (it trains to the end)",
         "scripts/sweep.py",
         "                        self.running.send_signal(signal.SIGTERM)  # it checkpoints and exits 75\n",
@@ -1268,6 +1279,16 @@ BREAKS = (
         (
             "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
             "tests/test_sweep_driver.py::test_a_launch_command_that_cannot_train_stops_the_sweep_in_one_line",
+        ),
+    ),
+    Break(
+        "blind50 B1: a trial preempted under accelerate launch/torchrun (exit 1, preempted.json) is failed, not requeued",
+        "scripts/sweep.py",
+        'preempted = code == PREEMPTED_EXIT_CODE or (run_dir / "preempted.json").exists()',
+        "preempted = code == PREEMPTED_EXIT_CODE",
+        (
+            "tests/test_sweep_driver.py::test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes",
+            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
         ),
     ),
     Break(
@@ -1341,6 +1362,16 @@ BREAKS = (
         ),
     ),
     Break(
+        "blind50 B2: the trace's name and line give the first step twice (the last step recorded not kept)",
+        "train/profiling.py",
+        "            self.last_recorded = step\n",
+        "",
+        (
+            "tests/test_profiling.py::test_the_window_records_its_steps_and_a_start_inside_it_records_the_rest",
+            "tests/test_profiling.py::test_a_run_says_where_its_traces_went_and_keeps_the_profiler_s_lines_off_the_console",
+        ),
+    ),
+    Break(
         "blind50 B2: a run stopped inside the window writes no trace (the exit's close not registered)",
         "train/profiling.py",
         "        atexit.register(self.close)  # a run stopped inside the window keeps what it recorded\n",
@@ -1385,6 +1416,16 @@ BREAKS = (
         ("tests/test_profiling.py::test_the_restart_line_says_each_phase_the_steps_lost_and_the_compile",),
     ),
     Break(
+        "blind50 B2: starts are numbered from 0 (the earlier launches, not this one counted)",
+        "train/tracking.py",
+        '"start": len(launches),',
+        '"start": len(previous),',
+        (
+            "tests/e2e/test_tracking_runs.py::test_a_two_process_run_reports_to_wandb_offline_tensorboard_its_restart_report_and_profile",
+        ),
+        quick=False,
+    ),
+    Break(
         "blind50 B2: a resumed start reports one step lost fewer than it lost",
         "train/tracking.py",
         '"steps_lost": max(0, int(last_logged) - step),',
@@ -1400,6 +1441,13 @@ BREAKS = (
         "train/storage.py",
         "return DEADLINE_FLOOR_S + nbytes / SLOWEST_BYTES_PER_S",
         "return DEADLINE_FLOOR_S",
+        ("tests/test_storage.py::test_an_uploads_and_a_downloads_deadline_grow_with_their_bytes",),
+    ),
+    Break(
+        "blind50 B3: a checkpoint's upload gets the deadline of an empty exchange (its bytes not passed)",
+        "train/storage.py",
+        'self.bounded(f"the checkpoint of step {step} was not uploaded{INTACT}", put, nbytes)',
+        'self.bounded(f"the checkpoint of step {step} was not uploaded{INTACT}", put)',
         ("tests/test_storage.py::test_an_uploads_and_a_downloads_deadline_grow_with_their_bytes",),
     ),
     Break(
@@ -1424,6 +1472,24 @@ BREAKS = (
         "train/storage.py",
         "if not self.bucket.bounded(lost, lambda: self._put(IfMatch=etag)):",
         "if not self.bucket.bounded(lost, lambda: self._put()):",
+        ("tests/e2e/test_object_storage.py::test_two_jobs_taking_over_one_stale_lease_at_once_exactly_one_wins",),
+        quick=False,
+    ),
+    Break(
+        "blind50 B3: a lease seen renewed is taken as stale (and an unchanged one refused)",
+        "train/storage.py",
+        "if seen is not None and now is not None and now[0] != seen[0]:",
+        "if seen is not None and now is not None and now[0] == seen[0]:",
+        (
+            "tests/e2e/test_object_storage.py::test_a_second_job_on_a_bucket_run_in_use_is_refused_in_one_line_and_the_lease_is_let_go",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind50 B3: the lease is renewed every store_lease_s, not every third of it (a live run looks stale)",
+        "train/storage.py",
+        "while not self.done.wait(self.lease_s / 3):",
+        "while not self.done.wait(self.lease_s):",
         ("tests/e2e/test_object_storage.py::test_two_jobs_taking_over_one_stale_lease_at_once_exactly_one_wins",),
         quick=False,
     ),
@@ -1475,6 +1541,16 @@ BREAKS = (
         ),
     ),
     Break(
+        "blind50 B3: pruning deletes a checkpoint's files before its manifest",
+        "train/storage.py",
+        '                self.fs.rm(f"{self._step(name)}/{MANIFEST}")\n',
+        "",
+        (
+            "tests/test_storage.py::test_a_checkpoint_on_object_storage_is_committed_by_its_manifest_and_pruned_manifest_first[False]",
+            "tests/test_storage.py::test_a_checkpoint_on_object_storage_is_committed_by_its_manifest_and_pruned_manifest_first[True]",
+        ),
+    ),
+    Break(
         "blind50 B3: a resume downloads the oldest committed checkpoint, not the newest",
         "train/storage.py",
         "for name in reversed(self.committed()):",
@@ -1507,6 +1583,13 @@ BREAKS = (
         ("tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",),
     ),
     Break(
+        "blind50 B4: the steps done are never counted: every note says step 1",
+        "train/hangs.py",
+        "        self.completed = step\n",
+        "",
+        ("tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",),
+    ),
+    Break(
         "blind50 B4: the straggler's median includes the slowest rank itself",
         "train/hangs.py",
         "median = statistics.median(alone[:slowest] + alone[slowest + 1 :])",
@@ -1526,6 +1609,16 @@ BREAKS = (
         "if alone[slowest] > self.cfg.straggler_factor * median and costly:",
         "if alone[slowest] > median and costly:",
         ("tests/test_hang_watch.py::test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time",),
+    ),
+    Break(
+        "blind50 B4: the ranks' times are not reset after a logging step (they add up over the run)",
+        "train/hangs.py",
+        "        self.alone_s = dict.fromkeys(self.alone_s, 0.0)\n",
+        "",
+        (
+            "tests/test_hang_watch.py::test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time",
+            "tests/test_hang_watch.py::test_each_rank_s_own_data_and_forward_times_fill_its_row_of_the_straggler_table",
+        ),
     ),
     Break(
         "blind50 B4: the timeout line names the waiting ranks as 'did not arrive' and not the late one",
@@ -1552,6 +1645,13 @@ BREAKS = (
         ),
     ),
     Break(
+        "blind50 B4: the lost-peer line names the ranks that answered, not the silent ones",
+        "train/hangs.py",
+        "silent = [rank for rank in range(watch.world_size) if rank not in notes]",
+        "silent = [rank for rank in range(watch.world_size) if rank in notes]",
+        ("tests/test_hang_watch.py::test_a_lost_peer_is_named_lost_and_a_live_rank_elsewhere_is_not_named",),
+    ),
+    Break(
         "blind50 B4: no hangs/rank{r}.json is written (the note goes to the store only)",
         "train/hangs.py",
         '        (folder / f"rank{self.rank}.json").write_text(encoded + "\\n")\n',
@@ -1567,6 +1667,16 @@ BREAKS = (
         "train/torch_ddp.py",
         "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
         "MixedPrecisionPolicy(param_dtype=torch.bfloat16)",
+        (
+            "tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",
+            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+        ),
+    ),
+    Break(
+        "blind50 B5: torch path FSDP under bf16 computes in fp32 (param_dtype dropped)",
+        "train/torch_ddp.py",
+        "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
+        "MixedPrecisionPolicy(reduce_dtype=torch.float32)",
         (
             "tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",
             "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
@@ -1641,6 +1751,16 @@ BREAKS = (
         ("tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",),
     ),
     Break(
+        "blind50 B5: Accelerate's --fsdp plugin does not reshard after forward",
+        "train/sharding.py",
+        "        reshard_after_forward=True,\n",
+        "        reshard_after_forward=False,\n",
+        (
+            "tests/test_launch_configs.py::test_the_fsdp_configs_launch_fsdp2_sharded_by_the_models_blocks[fsdp_8gpu.yaml-None-None]",
+            "tests/test_sharding.py::test_fsdp_on_main_py_under_torchrun_is_the_accelerate_config_s_fsdp[full-fsdp_8gpu.yaml]",
+        ),
+    ),
+    Break(
         "blind50 B5: blocks are found by their exact class only (a sharded FSDPBlock is not a block)",
         "train/blocks.py",
         "if names & {cls.__name__ for cls in type(module).__mro__}",
@@ -1656,6 +1776,20 @@ BREAKS = (
         "scripts/ray/train.py",
         '"LOCAL_RANK": str(context.get_local_rank()),',
         '"LOCAL_RANK": str(rank),',
+        ("tests/test_ray_worker.py",),
+    ),
+    Break(
+        "blind50 B6: Ray: LOCAL_WORLD_SIZE is the world size (hybrid sharding sees one node)",
+        "scripts/ray/train.py",
+        '"LOCAL_WORLD_SIZE": str(context.get_local_world_size()),',
+        '"LOCAL_WORLD_SIZE": str(context.get_world_size()),',
+        ("tests/test_ray_worker.py",),
+    ),
+    Break(
+        "blind50 B6: Ray: every child is told it is on node 0 (GROUP_RANK)",
+        "scripts/ray/train.py",
+        '"GROUP_RANK": str(context.get_node_rank()),',
+        '"GROUP_RANK": "0",',
         ("tests/test_ray_worker.py",),
     ),
     Break(
@@ -1699,6 +1833,13 @@ BREAKS = (
         ("tests/test_engines.py::test_the_job_script_passes_sigterm_on_and_a_stop_exits_75",),
     ),
     Break(
+        "blind50 B6: torchrun_job.sh stops waiting at the signal, before torchrun has exited",
+        "scripts/torchrun_job.sh",
+        '    kill -0 "$launcher" 2>/dev/null || break\n',
+        "    break\n",
+        ("tests/test_engines.py::test_the_job_script_passes_sigterm_on_and_a_stop_exits_75",),
+    ),
+    Break(
         "blind50 B6: torchrun_job.sh exits 0 whatever torchrun said",
         "scripts/torchrun_job.sh",
         'exit "$code"',
@@ -1714,11 +1855,36 @@ BREAKS = (
         quick=False,
     ),
     Break(
+        "blind50 B6: rendezvous.py never counts the last node (says N-1 of N joined)",
+        "scripts/rendezvous.py",
+        'joined = sum(store.check([f"{KEY}{i}"]) for i in range(nodes))',
+        'joined = sum(store.check([f"{KEY}{i}"]) for i in range(nodes - 1))',
+        ("tests/e2e/test_engine_runs.py::test_a_stop_while_waiting_for_a_node_is_one_line_that_says_so_and_exit_75",),
+        quick=False,
+    ),
+    Break(
         "blind50 B6: SLURM: the rendezvous is on the last node of the allocation, not the first",
         "scripts/slurm/job_env.sh",
         '| head -n 1)   # rendezvous on the first node',
         '| tail -n 1)   # rendezvous on the first node',
         ("tests/test_slurm.py::test_torchrun_script_uses_c10d_rendezvous_on_the_first_node",),
+    ),
+    Break(
+        "blind50 B6: SLURM: SIGUSR1 is not passed on by the launchers (--signal=USR1@300 kills the launcher)",
+        "scripts/slurm/job_env.sh",
+        "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        (
+            "tests/test_slurm.py::test_a_preempted_run_is_requeued",
+            "tests/test_slurm.py::test_scripts_parse[torchrun_2node.sbatch]",
+        ),
+    ),
+    Break(
+        "blind50 B6: SLURM: every accelerate launcher says it is machine 0",
+        "scripts/slurm/accelerate_2node.sbatch",
+        '--machine_rank "$SLURM_NODEID"',
+        "--machine_rank 0",
+        ("tests/test_slurm.py::test_accelerate_script_starts_one_launcher_per_node",),
     ),
     Break(
         "blind50 B6: Kubernetes: a pod stopped on a signal (exit 75) counts as a failure",
@@ -1732,6 +1898,13 @@ BREAKS = (
         "scripts/skypilot/train.yaml",
         'echo "$SKYPILOT_NODE_IPS" | head -n1',
         'echo "$SKYPILOT_NODE_IPS" | tail -n1',
+        ("tests/test_engines.py::test_the_skypilot_task_maps_its_variables_to_torchrun_s_and_recovers_a_stop",),
+    ),
+    Break(
+        "blind50 B6: SkyPilot: a stop (exit 75) is not recovered",
+        "scripts/skypilot/train.yaml",
+        "recover_on_exit_codes: [75]",
+        "recover_on_exit_codes: []",
         ("tests/test_engines.py::test_the_skypilot_task_maps_its_variables_to_torchrun_s_and_recovers_a_stop",),
     ),
 )
