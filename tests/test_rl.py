@@ -410,6 +410,38 @@ def test_the_same_seed_step_and_rank_give_the_same_tokens_and_leave_the_rng_alon
     assert not torch.equal(a0["input_ids"], c0["input_ids"])
 
 
+@pytest.mark.parametrize("rl_loss", ["grpo", "dapo", "dr_grpo"])
+def test_a_completion_counts_up_to_and_with_its_end_of_turn_and_items_count_the_loss_s(
+    chat_llama, rl_loss
+):
+    """completion_mask: each completion's tokens up to its first end of turn and that token (which
+    the model must learn to say), all of them where none ends; items: the tokens (dapo) or the
+    completions (grpo, dr_grpo) its .loss averages over."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), rl_loss=rl_loss, num_generations=4, max_new_tokens=12)
+    model = rl_model.build_model(cfg)
+    tokenizer = model.rl.tokenizer
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():  # the random model says <|im_end|> now and then
+        model.lm_head.weight[end] *= 12
+    (batch,), values = rl_model.rollout(model, [prompt_batch(cfg)], cfg, step=0)
+    ends = {end, tokenizer.eos_token_id}
+    expected, unended = [], 0
+    for row in batch["input_ids"][:, -cfg.max_new_tokens :].tolist():
+        first = next((t for t, token in enumerate(row) if token in ends), None)
+        unended += first is None
+        counted = cfg.max_new_tokens if first is None else first + 1
+        expected.append([1] * counted + [0] * (cfg.max_new_tokens - counted))
+    assert batch["completion_mask"].tolist() == expected
+    lengths = [sum(row) for row in expected]
+    assert min(lengths) < cfg.max_new_tokens == max(lengths)  # some end, some are cut
+    tokens = sum(lengths)
+    assert int(rl_model.loss_items(batch)) == (tokens if rl_loss == "dapo" else len(expected))
+    assert values["completion_tokens"] == tokens / len(expected)
+    assert values["completion_tokens_max"] == max(lengths)
+    assert values["clipped_share"] == unended / len(expected)
+
+
 def test_updates_per_rollout_reuses_a_rollout_and_generates_at_its_steps(chat_llama):
     rl_model = example("model")
     cfg = Cfg(hf_model=str(chat_llama), updates_per_rollout=2, max_new_tokens=8)
