@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import data
@@ -92,6 +93,40 @@ def test_a_hugging_face_model_from_a_folder_pretrained_or_fresh(corpus, bpe_toke
     assert output.logits.shape == (2, 32, 320) and torch.isfinite(output.loss)
 
 
+def test_a_bf16_model_folder_trains_fp32_weights(tmp_path, corpus, bpe_tokenizer, tiny_llama):
+    """A checkpoint saved in bf16 (most hub models are): torch's own dtype of every parameter built
+    is float32, as the optimizer must step them (the folder's config.json says bfloat16)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "bf16"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    assert load_file(folder / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
+    args = ["--dataset", str(corpus), "--block_size", "32", "--hf_model", str(folder)]
+    built = build_model(load_config([*args, "--tokenizer", str(bpe_tokenizer)]))
+    assert {p.dtype for p in built.parameters()} == {torch.float32}
+
+
+def test_block_size_may_be_exactly_the_model_s_positions(corpus, bpe_tokenizer, tiny_llama):
+    """The positions read from the folder's config.json (64): block_size 64 is accepted, 65 not."""
+    positions = json.loads((tiny_llama / "config.json").read_text())["max_position_embeddings"]
+    flags = ["--dataset", str(corpus), "--hf_model", str(tiny_llama)]
+    flags += ["--tokenizer", str(bpe_tokenizer)]
+    assert load_checked_config([*flags, "--block_size", str(positions)]).block_size == positions
+    with pytest.raises(ConfigError, match=f"block_size must be <= the model's {positions}"):
+        load_checked_config([*flags, "--block_size", str(positions + 1)])
+
+
+def test_a_model_built_for_a_tokenizer_embeds_its_added_tokens_too(corpus, chat_tokenizer):
+    """By hand: the BPE's 320 tokens and the chat template's two added ones (<|im_start|> 320,
+    <|im_end|> 321, outside tokenizer.vocab_size): 322 rows, so every id the chat data holds embeds."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    assert tokenizer.vocab_size == 320
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 321
+    cfg = load_config(["--dataset", str(corpus), "--tokenizer", str(chat_tokenizer)])
+    assert lm.vocab_size(cfg) == 322
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -130,12 +165,13 @@ def test_a_bad_model_or_tokenizer_is_one_line_before_anything_starts(
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("damage", ["other_shape", "no_weights", "unknown_type"])
+@pytest.mark.parametrize("damage", ["other_shape", "narrower_weight", "no_weights", "unknown_type"])
 def test_a_model_folder_that_cannot_be_loaded_as_configured_is_one_line_exit_2(
     damage, tmp_path, corpus, bpe_tokenizer, tiny_llama
 ):
-    """Weights of another shape than config.json, a config and no weights, a config transformers does not
-    know: one line naming the folder and what does not fit, exit 2, before any process group."""
+    """Weights of another shape than config.json (also one that differs in its second dimension
+    only, by hand), a config and no weights, a config transformers does not know: one line naming
+    the folder and what does not fit, exit 2, before any process group."""
     folder = tmp_path / "model"
     shutil.copytree(tiny_llama, folder)
     config = json.loads((folder / "config.json").read_text())
@@ -143,6 +179,11 @@ def test_a_model_folder_that_cannot_be_loaded_as_configured_is_one_line_exit_2(
         config["intermediate_size"] = 48  # the MLP's matrices in the file are 64 wide
         expected = f"hf_model '{folder}': its weights do not fit its config.json \\(llama\\): "
         expected += r".*\[64, 32\] vs \[48, 32\]"
+    elif damage == "narrower_weight":  # the file's, in its second dimension only
+        weights = load_file(folder / "model.safetensors")
+        weights["model.layers.1.mlp.down_proj.weight"] = torch.zeros(32, 48)  # [32, 64] in config
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        expected = r".*model.layers.1.mlp.down_proj.weight \[32, 48\] vs \[32, 64\]"
     elif damage == "no_weights":
         (folder / "model.safetensors").unlink()
         expected = f"hf_model '{folder}' has a config.json and no weights .*--model_weights config"
