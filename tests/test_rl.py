@@ -454,6 +454,58 @@ def test_updates_per_rollout_reuses_a_rollout_and_generates_at_its_steps(chat_ll
     assert torch.equal(a["old_logps"], b["old_logps"])
 
 
+def greedy_alone(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """The test's own greedy decode of one prompt, run alone (no padding, no cache): the argmax
+    token by token, up to the first end of turn."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
+    ends = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = type(model).forward(model, input_ids=torch.tensor([ids + new])).logits
+            token = int(logits[0, -1].argmax())
+            if token in ends:
+                break
+            new.append(token)
+    return tokenizer.decode(new)
+
+
+def test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set(chat_llama):
+    """Prompts of different lengths in batches of 2 (left-padded), answers chosen so that one
+    completion is exact, one has its words reversed and one is unrelated: the eval metrics equal
+    the test's own greedy decode of each prompt alone, scored by the test's own arithmetic."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), max_new_tokens=10)
+    model = rl_model.build_model(cfg).eval()
+    tokenizer = model.rl.tokenizer
+    prompts = ["sort: river alpha", "sort: maple ocean ember tiger", "sort: cloud", "sort: a b c"]
+    said = [greedy_alone(model, tokenizer, prompt, cfg.max_new_tokens) for prompt in prompts]
+    answers = [said[0], " ".join(said[1].split()[::-1]) or "x", "pixel lunar", said[3] + " extra"]
+    sums = {}
+    for k in (0, 2):
+        batch = prompt_batch(cfg, list(zip(prompts[k : k + 2], answers[k : k + 2], strict=True)))
+        for name, values in rl_model.eval_columns(model(**batch), batch).items():
+            sums[name] = sums.get(name, 0.0) + values.sum().item()
+    metrics = rl_model.eval_metrics(sums, cfg)
+    exact, order, same = [], [], []
+    for text, answer in zip(said, answers, strict=True):
+        words, wanted = text.split(), answer.split()
+        exact.append(1.0 if words == wanted else 0.0)
+        order.append(sum(1 for a, b in zip(words, wanted, strict=False) if a == b) / len(wanted))
+        same.append(1.0 if sorted(words) == sorted(wanted) else 0.0)
+    assert exact[0] == 1.0 and exact[2] == 0.0
+    rewards = [e + 0.5 * o + 0.25 * s for e, o, s in zip(exact, order, same, strict=True)]
+    assert metrics["reward"] == pytest.approx(sum(rewards) / 4, rel=1e-12)
+    assert metrics["pass_rate"] == sum(exact) / 4
+    assert metrics["reward_word_order"] == pytest.approx(sum(order) / 4, rel=1e-12)
+    assert metrics["reward_same_words"] == sum(same) / 4
+
+
 # ---------------------------------------------------------------- bad input, one line
 
 
