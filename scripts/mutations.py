@@ -338,7 +338,7 @@ BREAKS = (
     ),
     Break(
         "the step's loss weights forget that DDP averages over ranks",
-        "train/task.py",
+        "train/batches.py",
         "share = items * plumbing.num_processes * steps",
         "share = items * steps",
         (
@@ -1126,9 +1126,7 @@ BREAKS = (
         "train/checks.py",
         "if block_size and block_size > positions:",
         "if block_size and block_size >= positions:",
-        (
-            "tests/test_hugging_face.py::test_block_size_may_be_exactly_the_model_s_positions",
-        ),
+        ("tests/test_hugging_face.py::test_block_size_may_be_exactly_the_model_s_positions",),
     ),
     Break(
         "blind50 A6: the positions check reads GPT-2's n_positions only (a Llama's block_size is unchecked)",
@@ -1162,9 +1160,7 @@ BREAKS = (
         "train/lm.py",
         "return AutoModelForCausalLM.from_pretrained(cfg.hf_model, dtype=torch.float32)",
         "return AutoModelForCausalLM.from_pretrained(cfg.hf_model)",
-        (
-            "tests/test_hugging_face.py::test_a_bf16_model_folder_trains_fp32_weights",
-        ),
+        ("tests/test_hugging_face.py::test_a_bf16_model_folder_trains_fp32_weights",),
     ),
     Break(
         "blind50 A6: the vocabulary a model is built for leaves out the tokenizer's added tokens",
@@ -1250,14 +1246,18 @@ BREAKS = (
         "scripts/sweep.py",
         "                        self.running.send_signal(signal.SIGTERM)  # it checkpoints and exits 75\n",
         "",
-        ("tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",),
+        (
+            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
+        ),
     ),
     Break(
         "blind50 B1: a pruned trial is recorded as failed",
         "scripts/sweep.py",
         "self.study.tell(trial, state=self.states().PRUNED)",
         "self.study.tell(trial, state=self.states().FAIL)",
-        ("tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",),
+        (
+            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
+        ),
     ),
     Break(
         "blind50 B1: a trial's value is its first eval row's objective, not its last",
@@ -1394,7 +1394,9 @@ BREAKS = (
         "train/profiling.py",
         "self._add(name, now - self.last_lap - self.nested)",
         "self._add(name, now - self.last_lap)",
-        ("tests/test_profiling.py::test_the_start_clock_s_phases_add_up_to_its_time_wherever_they_nest",),
+        (
+            "tests/test_profiling.py::test_the_start_clock_s_phases_add_up_to_its_time_wherever_they_nest",
+        ),
     ),
     Break(
         "blind50 B2: 'start N: X s to the first step' counts from the last lap, not the process's start",
@@ -1411,7 +1413,9 @@ BREAKS = (
         "train/profiling.py",
         'if row["resumed_from_step"]:',
         'if not row["resumed_from_step"]:',
-        ("tests/test_profiling.py::test_the_restart_line_says_each_phase_the_steps_lost_and_the_compile",),
+        (
+            "tests/test_profiling.py::test_the_restart_line_says_each_phase_the_steps_lost_and_the_compile",
+        ),
     ),
     Break(
         "blind50 B2: starts are numbered from 0 (the earlier launches, not this one counted)",
@@ -1451,9 +1455,11 @@ BREAKS = (
     Break(
         "blind50 B3: after a first store failure every later exchange is tried again (each waits its deadline)",
         "train/storage.py",
-        "        if _failures:\n            raise StoreError(_failures[0], cause=\"\")\n",
+        '        if _failures:\n            raise StoreError(_failures[0], cause="")\n',
         "",
-        ("tests/test_storage.py::test_after_the_store_failed_nothing_more_is_tried_and_the_same_line_comes_at_once",),
+        (
+            "tests/test_storage.py::test_after_the_store_failed_nothing_more_is_tried_and_the_same_line_comes_at_once",
+        ),
     ),
     Break(
         "blind50 B3: the first take of the lease is unconditional (a second job overwrites a live lease)",
@@ -1470,7 +1476,9 @@ BREAKS = (
         "train/storage.py",
         "if not self.bucket.bounded(lost, lambda: self._put(IfMatch=etag)):",
         "if not self.bucket.bounded(lost, lambda: self._put()):",
-        ("tests/e2e/test_object_storage.py::test_two_jobs_taking_over_one_stale_lease_at_once_exactly_one_wins",),
+        (
+            "tests/e2e/test_object_storage.py::test_two_jobs_taking_over_one_stale_lease_at_once_exactly_one_wins",
+        ),
         quick=False,
     ),
     Break(
@@ -1488,7 +1496,9 @@ BREAKS = (
         "train/storage.py",
         "while not self.done.wait(self.lease_s / 3):",
         "while not self.done.wait(self.lease_s):",
-        ("tests/e2e/test_object_storage.py::test_two_jobs_taking_over_one_stale_lease_at_once_exactly_one_wins",),
+        (
+            "tests/e2e/test_object_storage.py::test_two_jobs_taking_over_one_stale_lease_at_once_exactly_one_wins",
+        ),
         quick=False,
     ),
     Break(
@@ -1564,49 +1574,63 @@ BREAKS = (
         "train/hangs.py",
         "        if not self.training and self.store is not None:\n            set_collective_timeout(self.cfg.step_timeout_s)\n",
         "        if not self.training and self.store is not None:\n            set_collective_timeout(self.cfg.dist_timeout_s)\n",
-        ("tests/test_hang_watch.py::test_a_save_or_the_export_waits_the_long_timeout_and_training_gets_step_timeout_back",),
+        (
+            "tests/test_hang_watch.py::test_a_save_or_the_export_waits_the_long_timeout_and_training_gets_step_timeout_back",
+        ),
     ),
     Break(
         "blind50 B4: a save waits the short step_timeout_s (a slow write is called a hang)",
         "train/hangs.py",
         "set_collective_timeout(self.cfg.dist_timeout_s)",
         "set_collective_timeout(self.cfg.step_timeout_s)",
-        ("tests/test_hang_watch.py::test_a_save_or_the_export_waits_the_long_timeout_and_training_gets_step_timeout_back",),
+        (
+            "tests/test_hang_watch.py::test_a_save_or_the_export_waits_the_long_timeout_and_training_gets_step_timeout_back",
+        ),
     ),
     Break(
         "blind50 B4: the hang note's step is the previous step (at() off by one)",
         "train/hangs.py",
         "self.note.update(step=self.completed + 1, phase=phase)",
         "self.note.update(step=self.completed, phase=phase)",
-        ("tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",),
+        (
+            "tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",
+        ),
     ),
     Break(
         "blind50 B4: the steps done are never counted: every note says step 1",
         "train/hangs.py",
         "        self.completed = step\n",
         "",
-        ("tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",),
+        (
+            "tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",
+        ),
     ),
     Break(
         "blind50 B4: the straggler's median includes the slowest rank itself",
         "train/hangs.py",
         "median = statistics.median(alone[:slowest] + alone[slowest + 1 :])",
         "median = statistics.median(alone)",
-        ("tests/test_hang_watch.py::test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time",),
+        (
+            "tests/test_hang_watch.py::test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time",
+        ),
     ),
     Break(
         "blind50 B4: a straggler is named when it costs 0.1 s OR 10% (and, dropped)",
         "train/hangs.py",
         "costly = lag_s > STRAGGLER_MIN_S and lag_s > STRAGGLER_COST * window_s",
         "costly = lag_s > STRAGGLER_MIN_S or lag_s > STRAGGLER_COST * window_s",
-        ("tests/test_hang_watch.py::test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time",),
+        (
+            "tests/test_hang_watch.py::test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time",
+        ),
     ),
     Break(
         "blind50 B4: straggler_factor dropped: any slower rank that costs time is named",
         "train/hangs.py",
         "if alone[slowest] > self.cfg.straggler_factor * median and costly:",
         "if alone[slowest] > median and costly:",
-        ("tests/test_hang_watch.py::test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time",),
+        (
+            "tests/test_hang_watch.py::test_a_straggler_is_named_only_when_it_is_slower_by_the_factor_and_costs_time",
+        ),
     ),
     Break(
         "blind50 B4: the ranks' times are not reset after a logging step (they add up over the run)",
@@ -1623,14 +1647,18 @@ BREAKS = (
         "train/hangs.py",
         'elif not note.get("waiting_in_a_collective"):',
         'elif note.get("waiting_in_a_collective"):',
-        ("tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",),
+        (
+            "tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",
+        ),
     ),
     Break(
         "blind50 B4: the timeout line quotes dist_timeout_s as the step timeout",
         "train/hangs.py",
         'how = f"timed out (step_timeout_s {watch.cfg.step_timeout_s})"',
         'how = f"timed out (step_timeout_s {watch.cfg.dist_timeout_s})"',
-        ("tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",),
+        (
+            "tests/test_hang_watch.py::test_the_line_names_the_ranks_that_did_not_arrive_and_where_they_were",
+        ),
     ),
     Break(
         "blind50 B4: NCCL's 'Watchdog caught collective operation timeout' is read as a lost peer",
@@ -1647,7 +1675,9 @@ BREAKS = (
         "train/hangs.py",
         "silent = [rank for rank in range(watch.world_size) if rank not in notes]",
         "silent = [rank for rank in range(watch.world_size) if rank in notes]",
-        ("tests/test_hang_watch.py::test_a_lost_peer_is_named_lost_and_a_live_rank_elsewhere_is_not_named",),
+        (
+            "tests/test_hang_watch.py::test_a_lost_peer_is_named_lost_and_a_live_rank_elsewhere_is_not_named",
+        ),
     ),
     Break(
         "blind50 B4: no hangs/rank{r}.json is written (the note goes to the store only)",
@@ -1695,7 +1725,9 @@ BREAKS = (
         "train/torch_ddp.py",
         "            fully_shard(block, mesh=mesh, mp_policy=policy)\n",
         "            pass\n",
-        ("tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",),
+        (
+            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+        ),
     ),
     Break(
         "blind50 B5: torch path FSDP: the blocks get no mixed-precision policy (fp32 blocks under bf16)",
@@ -1712,14 +1744,18 @@ BREAKS = (
         "train/torch_ddp.py",
         "            fully_shard(block, mesh=mesh, mp_policy=policy)\n",
         "            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=False)\n",
-        ("tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",),
+        (
+            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+        ),
     ),
     Break(
         "blind50 B5: the optimizer steps the unsharded parameters fully_shard replaced (the model never trains)",
         "train/torch_ddp.py",
         'group["params"] = [sharded[names[id(p)]] for p in group["params"]]',
         "pass",
-        ("tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",),
+        (
+            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+        ),
     ),
     Break(
         "blind50 B5: --fsdp hybrid's mesh has its dimensions swapped (nodes x processes per node reversed)",
@@ -1746,7 +1782,9 @@ BREAKS = (
         "train/sharding.py",
         "param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16",
         "param_dtype=torch.bfloat16, output_dtype=torch.bfloat16",
-        ("tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",),
+        (
+            "tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",
+        ),
     ),
     Break(
         "blind50 B5: Accelerate's --fsdp plugin does not reshard after forward",
@@ -1813,7 +1851,9 @@ BREAKS = (
         "scripts/ray/train.py",
         "failure_config=ray.train.FailureConfig(max_failures=args.max_failures)",
         "failure_config=ray.train.FailureConfig()",
-        ("tests/e2e/test_ray.py::test_a_worker_killed_under_ray_is_restarted_and_the_run_resumes_bitwise",),
+        (
+            "tests/e2e/test_ray.py::test_a_worker_killed_under_ray_is_restarted_and_the_run_resumes_bitwise",
+        ),
         quick=False,
     ),
     Break(
@@ -1821,7 +1861,9 @@ BREAKS = (
         "scripts/torchrun_job.sh",
         'if [ -f "$run_dir/preempted.json" ]; then',
         'if [ -f "$OUTPUT_DIR/preempted.json" ]; then',
-        ("tests/test_engines.py::test_on_object_storage_the_job_script_stages_on_the_node_and_finds_the_stop_there",),
+        (
+            "tests/test_engines.py::test_on_object_storage_the_job_script_stages_on_the_node_and_finds_the_stop_there",
+        ),
     ),
     Break(
         "blind50 B6: torchrun_job.sh does not pass SIGTERM on to torchrun",
@@ -1842,14 +1884,18 @@ BREAKS = (
         "scripts/torchrun_job.sh",
         'exit "$code"',
         "exit 0",
-        ("tests/test_engines.py::test_the_job_script_keeps_torchrun_s_code_when_the_run_did_not_stop_on_a_signal",),
+        (
+            "tests/test_engines.py::test_the_job_script_keeps_torchrun_s_code_when_the_run_did_not_stop_on_a_signal",
+        ),
     ),
     Break(
         "blind50 B6: torchrun_job.sh gives torchrun no rendezvous timeout (RDZV_TIMEOUT_S ignored: 600 s)",
         "scripts/torchrun_job.sh",
         'torchrun --rdzv-conf "timeout=$RDZV_TIMEOUT_S" train/main.py',
         "torchrun train/main.py",
-        ("tests/e2e/test_engine_runs.py::test_a_node_that_never_joins_is_said_while_waiting_and_in_one_line_at_the_timeout[0]",),
+        (
+            "tests/e2e/test_engine_runs.py::test_a_node_that_never_joins_is_said_while_waiting_and_in_one_line_at_the_timeout[0]",
+        ),
         quick=False,
     ),
     Break(
@@ -1857,14 +1903,16 @@ BREAKS = (
         "scripts/rendezvous.py",
         'joined = sum(store.check([f"{KEY}{i}"]) for i in range(nodes))',
         'joined = sum(store.check([f"{KEY}{i}"]) for i in range(nodes - 1))',
-        ("tests/e2e/test_engine_runs.py::test_a_stop_while_waiting_for_a_node_is_one_line_that_says_so_and_exit_75",),
+        (
+            "tests/e2e/test_engine_runs.py::test_a_stop_while_waiting_for_a_node_is_one_line_that_says_so_and_exit_75",
+        ),
         quick=False,
     ),
     Break(
         "blind50 B6: SLURM: the rendezvous is on the last node of the allocation, not the first",
         "scripts/slurm/job_env.sh",
-        '| head -n 1)   # rendezvous on the first node',
-        '| tail -n 1)   # rendezvous on the first node',
+        "| head -n 1)   # rendezvous on the first node",
+        "| tail -n 1)   # rendezvous on the first node",
         ("tests/test_slurm.py::test_torchrun_script_uses_c10d_rendezvous_on_the_first_node",),
     ),
     Break(
@@ -1889,21 +1937,27 @@ BREAKS = (
         "scripts/kubernetes/jobset.yaml",
         "                  values: [75]",
         "                  values: [1]",
-        ("tests/test_engines.py::test_the_jobset_restarts_a_stopped_pod_without_counting_it_and_keeps_its_run_folder",),
+        (
+            "tests/test_engines.py::test_the_jobset_restarts_a_stopped_pod_without_counting_it_and_keeps_its_run_folder",
+        ),
     ),
     Break(
         "blind50 B6: SkyPilot: the rendezvous address is the last node's IP",
         "scripts/skypilot/train.yaml",
         'echo "$SKYPILOT_NODE_IPS" | head -n1',
         'echo "$SKYPILOT_NODE_IPS" | tail -n1',
-        ("tests/test_engines.py::test_the_skypilot_task_maps_its_variables_to_torchrun_s_and_recovers_a_stop",),
+        (
+            "tests/test_engines.py::test_the_skypilot_task_maps_its_variables_to_torchrun_s_and_recovers_a_stop",
+        ),
     ),
     Break(
         "blind50 B6: SkyPilot: a stop (exit 75) is not recovered",
         "scripts/skypilot/train.yaml",
         "recover_on_exit_codes: [75]",
         "recover_on_exit_codes: []",
-        ("tests/test_engines.py::test_the_skypilot_task_maps_its_variables_to_torchrun_s_and_recovers_a_stop",),
+        (
+            "tests/test_engines.py::test_the_skypilot_task_maps_its_variables_to_torchrun_s_and_recovers_a_stop",
+        ),
     ),
 )
 
