@@ -628,3 +628,18 @@ def test_without_a_rollout_the_seam_gives_the_micro_batches_as_fetched():
     micro = [{"input_ids": torch.zeros(1, 2)}]
     got, values = task.rollout(None, micro, None, 0, Watch())
     assert got is micro and values == {}
+
+
+def test_a_rollout_that_takes_other_arguments_is_one_line_at_start_up():
+    import types
+
+    import task
+
+    def rollout(model, micro_batches, cfg):  # the step left out
+        return micro_batches, {}
+
+    with pytest.raises(ConfigError) as e:
+        task.check_rollout(types.SimpleNamespace(rollout=rollout))
+    assert "rollout must take (model, micro_batches, cfg, step)" in str(e.value)
+    task.check_rollout(example("model"))  # the example's: no line
+    task.check_rollout(types.SimpleNamespace())  # none: nothing to check

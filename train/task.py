@@ -206,12 +206,24 @@ def check_fork_files(cfg) -> None:
                     f"train/{module_name}.py defines no {name}({', '.join(arguments)}), {what} "
                     f'(README "Make it yours"; examples/ has one for each task)'
                 )
+    check_rollout(fork_file("model"))
     for module_name in ("model", "data"):  # each file's own checks of its own keys
         own_checks = getattr(fork_file(module_name), "check_config", None)
         if own_checks is not None:
             own_checks(cfg)
     if cfg.lora_r:
         check_adapters(cfg)
+
+
+def check_rollout(module) -> None:
+    """model.py's optional rollout takes what the loop gives it: one line at start-up, not a
+    TypeError at the first step."""
+    rollout = getattr(module, "rollout", None)
+    if rollout is not None and not takes(rollout, ("model", "micro_batches", "cfg", "step")):
+        raise ConfigError(
+            "train/model.py: rollout must take (model, micro_batches, cfg, step) and return "
+            '(micro_batches, {name: value}) (README "Make it yours"; examples/rl has one)'
+        )
 
 
 def with_data_default(cfg):
