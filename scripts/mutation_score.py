@@ -6,6 +6,8 @@ reach each broken function. Not part of the suite: it takes minutes per module.
     python scripts/mutation_score.py                 # every module below, into docs/mutation-score.json
     python scripts/mutation_score.py sources optim   # some of them (the others' rows are kept)
     python scripts/mutation_score.py --table         # the json's counts as docs/mutation-score.md's table
+    python scripts/mutation_score.py --since main~5   # only the functions changed since that commit: the
+                                                      # score of new code, before a stop (nothing saved)
 
 mutmut names a mutant by its file's path and matches it to a function by the function's __module__; train/'s
 modules are imported by their own names (`import config`), so each module is run in a scratch copy of the
@@ -52,6 +54,13 @@ MODULES = {
         "tests/test_adapters.py",
     ],
     "profiling": ["tests/test_profiling.py"],
+    "adapters": ["tests/test_adapters.py", "tests/test_preference.py"],
+    "lm": ["tests/test_lm.py", "tests/test_model.py", "tests/test_hugging_face.py"],
+    "checks": ["tests/test_hugging_face.py", "tests/test_config.py"],
+    "hangs": ["tests/test_hang_watch.py"],
+    "run_folder": ["tests/test_saving.py", "tests/test_storage.py", "tests/test_checkpoint.py"],
+    "blocks": ["tests/test_sharding.py", "tests/test_model.py", "tests/test_lm.py"],
+    "plumbing": ["tests/test_plumbing.py", "tests/test_engines.py"],
 }
 # where the issue names part of a module, only these functions are mutated (mutmut's names: x_f for a
 # function, x\u01c1Class\u01c1method for a method); the rest of the module is reached end to end
@@ -295,6 +304,68 @@ def merged(before: dict, again: dict) -> dict:
     }
 
 
+def changed_functions(module: str, since: str) -> list[str]:
+    """The functions and methods of train/<module>.py (f, Class.method) whose lines changed since the
+    commit `since` (git diff against the working tree): what a stop adds or edits."""
+    import ast
+
+    diff = subprocess.run(
+        ["git", "diff", "-U0", since, "--", f"train/{module}.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    changed = set()
+    for match in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", diff, re.MULTILINE):
+        start, count = int(match.group(1)), int(match.group(2) or 1)
+        changed.update(range(start, start + max(count, 1)))
+    if not changed:
+        return []
+    tree = ast.parse((REPO / "train" / f"{module}.py").read_text())
+    found = []
+
+    def visit(nodes, owner: str | None) -> None:
+        for node in nodes:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, node.name)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = set(range(node.lineno, node.end_lineno + 1))
+                if lines & changed:
+                    found.append(f"{owner}.{node.name}" if owner else node.name)
+
+    visit(tree.body, None)
+    return found
+
+
+def since_score(since: str) -> int:
+    """mutmut over the functions changed since `since`, module by module; printed, not saved."""
+    totals = {}
+    for module, tests in MODULES.items():
+        functions = changed_functions(module, since)
+        if not functions:
+            continue
+        print(f"{module}: {', '.join(functions)}", flush=True)
+        try:
+            measured = run_module(module, tests, functions)
+        except (
+            SystemExit
+        ) as nothing:  # no mutant in these functions (a changed constant, a docstring)
+            print(f"{module}: {str(nothing).splitlines()[0]}", flush=True)
+            continue
+        counts = measured["counts"]
+        print(f"{module}: {killed_share(counts):.0%} killed {counts}", flush=True)
+        for name, survivor in measured["survivors"].items():
+            print(f"  {survivor['status']}: {name}: {' '.join(survivor['diff'])[:200]}")
+        for status, number in counts.items():
+            totals[status] = totals.get(status, 0) + number
+    if not totals:
+        print(f"no function of the measured modules changed since {since}")
+        return 0
+    print(f"since {since}: {killed_share(totals):.0%} killed {totals}")
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", help=f"of {', '.join(MODULES)} (default: every one)")
@@ -306,7 +377,14 @@ def main() -> None:
         nargs="+",
         help="measure these functions of one module again (f, Class.method) and merge them in",
     )
+    parser.add_argument(
+        "--since",
+        metavar="REF",
+        help="mutate only the functions changed since this commit, in every module; print the score",
+    )
     args = parser.parse_args()
+    if args.since:
+        sys.exit(since_score(args.since))
     unknown = [module for module in args.modules if module not in MODULES]
     if unknown:
         parser.error(f"no module {unknown[0]!r} is measured (choose from {', '.join(MODULES)})")
