@@ -299,3 +299,60 @@ def test_dataset_not_given_is_the_data_files_default_or_none(monkeypatch):
     assert task.with_data_default(given).dataset == "corpus.jsonl"
     monkeypatch.setattr(task, "fork_file", lambda name: types.SimpleNamespace())
     assert task.with_data_default(cfg).dataset == ""
+
+
+class Watch:
+    """The hang watch's phase notes, recorded."""
+
+    def __init__(self):
+        self.phases = []
+
+    def at(self, phase):
+        self.phases.append(phase)
+
+
+def test_a_rollout_makes_the_step_s_micro_batches_and_its_values_and_without_one_they_pass(
+    monkeypatch,
+):
+    """model.py's optional rollout(model, micro_batches, cfg, step) gets exactly what the loop has
+    (the prepared model, the fetched micro-batches, the config, the steps done) and what it returns
+    is what the step trains on and logs; the hang watch names it. Without one: as fetched, no
+    values, no phase."""
+    model = torch.nn.Linear(2, 2)
+    fetched = [{"ids": torch.tensor([1])}, {"ids": torch.tensor([2])}]
+    cfg = RunConfig()
+    seen = {}
+
+    def rollout(model, micro_batches, cfg, step):
+        seen.update(model=model, micro_batches=micro_batches, cfg=cfg, step=step)
+        return [{"ids": batch["ids"] * 10} for batch in micro_batches], {"reward": 0.5}
+
+    watch = Watch()
+    monkeypatch.setattr(task, "fork_file", lambda name: types.SimpleNamespace(rollout=rollout))
+    made, values = task.rollout(model, fetched, cfg, 7, watch)
+    assert seen == {"model": model, "micro_batches": fetched, "cfg": cfg, "step": 7}
+    assert [batch["ids"].item() for batch in made] == [10, 20] and values == {"reward": 0.5}
+    assert watch.phases == ["rollout (model.py)"]
+    watch = Watch()
+    monkeypatch.setattr(task, "fork_file", lambda name: types.SimpleNamespace())
+    assert task.rollout(model, fetched, cfg, 7, watch) == (fetched, {})
+    assert watch.phases == []
+
+
+def test_a_rollout_that_takes_other_arguments_is_one_line_at_start_up(monkeypatch):
+    def rollout(model, batches, cfg):  # the step left out, micro_batches misnamed
+        return batches, {}
+
+    with pytest.raises(ConfigError, match=r"^train/model.py: rollout must take \(model, micro_"):
+        task.check_rollout(types.SimpleNamespace(rollout=rollout))
+
+    def right(model, micro_batches, cfg, step):
+        return micro_batches, {}
+
+    task.check_rollout(types.SimpleNamespace(rollout=right))
+    task.check_rollout(types.SimpleNamespace())  # none: nothing to check
+    # and check_fork_files runs it on model.py
+    fork_model = types.SimpleNamespace(**vars(sys.modules["model"]), rollout=rollout)
+    monkeypatch.setitem(sys.modules, "model", fork_model)
+    with pytest.raises(ConfigError, match=r"rollout must take"):
+        task.check_fork_files(RunConfig())
