@@ -328,7 +328,8 @@ def test_a_rollout_makes_the_step_s_micro_batches_and_its_values_and_without_one
         return [{"ids": batch["ids"] * 10} for batch in micro_batches], {"reward": 0.5}
 
     watch = Watch()
-    monkeypatch.setattr(task, "fork_file", lambda name: types.SimpleNamespace(rollout=rollout))
+    files = {"model": types.SimpleNamespace(rollout=rollout), "data": types.SimpleNamespace()}
+    monkeypatch.setattr(task, "fork_file", files.__getitem__)
     made, values = task.rollout(model, fetched, cfg, 7, watch)
     assert seen == {"model": model, "micro_batches": fetched, "cfg": cfg, "step": 7}
     assert [batch["ids"].item() for batch in made] == [10, 20] and values == {"reward": 0.5}
@@ -343,8 +344,12 @@ def test_a_rollout_that_takes_other_arguments_is_one_line_at_start_up(monkeypatc
     def rollout(model, batches, cfg):  # the step left out, micro_batches misnamed
         return batches, {}
 
-    with pytest.raises(ConfigError, match=r"^train/model.py: rollout must take \(model, micro_"):
+    with pytest.raises(ConfigError) as refused:
         task.check_rollout(types.SimpleNamespace(rollout=rollout))
+    assert str(refused.value) == (
+        "train/model.py: rollout must take (model, micro_batches, cfg, step) and return "
+        '(micro_batches, {name: value}) (README "Make it yours"; examples/rl has one)'
+    )
 
     def right(model, micro_batches, cfg, step):
         return micro_batches, {}
