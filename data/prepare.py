@@ -8,10 +8,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
-from run_config import load_config  # noqa: E402
 from data import build_datasets  # noqa: E402
 from errors import ConfigError  # noqa: E402
 from mixture import build_data  # noqa: E402
+from run_config import load_config  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
