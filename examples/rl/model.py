@@ -438,7 +438,9 @@ def seeded(seed: int | None, device: torch.device):
     if seed is None:
         yield
         return
-    devices = [device.index or 0] if device.type == "cuda" else []
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
