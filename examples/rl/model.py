@@ -333,8 +333,10 @@ def token_logps(forward, batch: dict, cfg) -> torch.Tensor:
     logits = logits.logits
     targets = input_ids[:, prompt:]
     rows = []
-    for row in range(logits.size(0)):
-        scaled = logits[row, prompt - 1 : -1]
+    # unbind, not logits[row]: indexing's backward fills a zero gradient of the whole batch's logits
+    # for each row (examples/preference's completion_logps, bench/README.md)
+    for row, whole_row in enumerate(logits.unbind(0)):
+        scaled = whole_row[prompt - 1 : -1]
         scaled = scaled.to(torch.promote_types(scaled.dtype, torch.float32)) / cfg.temperature
         picked = scaled.gather(-1, targets[row][:, None]).squeeze(-1)
         rows.append(picked - scaled.logsumexp(-1))
