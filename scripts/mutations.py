@@ -160,8 +160,8 @@ BREAKS = (
     Break(
         "a mixture source's own split is ignored",
         "train/sources.py",
-        "dataset_split=source.split or cfg.dataset_split,",
-        "dataset_split=cfg.dataset_split,",
+        '"dataset_split": source.split or cfg.dataset_split,',
+        '"dataset_split": cfg.dataset_split,',
         (
             "tests/test_mixture.py::test_each_source_is_built_with_its_own_split_configuration_and_"
             "text_column",
@@ -279,8 +279,8 @@ BREAKS = (
     Break(
         "object storage: a save that never finished (no manifest) counts as committed",
         "train/storage.py",
-        'manifests = self.fs.glob(f"{self.root}/checkpoints/{STEP_PREFIX}*/{MANIFEST}")',
-        'manifests = self.fs.glob(f"{self.root}/checkpoints/{STEP_PREFIX}*/*")',
+        'return self.fs.glob(f"{self.root}/checkpoints/{STEP_PREFIX}*/{MANIFEST}")',
+        'return self.fs.glob(f"{self.root}/checkpoints/{STEP_PREFIX}*/*")',
         (
             "tests/test_storage.py::test_a_save_that_never_finished_is_not_resumed_from_and_the_next_"
             "commit_removes_it",
@@ -470,7 +470,7 @@ BREAKS = (
     ),
     Break(
         "blind: LoRA: adapters are left switched off after the reference pass",
-        "examples/preference/model.py",
+        "train/chat.py",
         "layer._disable_adapters = was",
         "layer._disable_adapters = True",
         ("tests/test_preference.py",),

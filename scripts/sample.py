@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
 import harness  # noqa: E402
+from chat import end_of_turn_ids  # noqa: E402 - the chat examples' end of a turn
 from errors import ConfigError  # noqa: E402
 from task import build_model  # noqa: E402 - model.py's, through the seam
 
@@ -94,20 +95,6 @@ def chat_prompt(tokenizer, message: str) -> list[int]:
         [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def end_of_turn_ids(tokenizer) -> set[int]:
-    """The tokens that end an assistant's turn: what the template writes after a reply (its first
-    special token there, e.g. <|im_end|>), and EOS."""
-    replied = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
-    asked = tokenizer.apply_chat_template(replied[:1], add_generation_prompt=True, tokenize=False)
-    whole = tokenizer.apply_chat_template(replied, tokenize=False)
-    after_reply = whole[len(asked) :].split("!", 1)[-1]
-    special = set(tokenizer.all_special_ids)
-    ending = [
-        i for i in tokenizer(after_reply, add_special_tokens=False)["input_ids"] if i in special
-    ]
-    return {*ending[:1], tokenizer.eos_token_id} - {None}
 
 
 def main(argv: list[str] | None = None) -> None:

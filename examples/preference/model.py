@@ -50,14 +50,13 @@ from __future__ import annotations
 import math
 import os
 import types
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chat import say
+from chat import adapters_off, evaluated, frozen_copy, say, weights_digest
 from errors import ConfigError
 from lm import hugging_face_model, uses_hub_model
 
@@ -169,15 +168,6 @@ def build_model(cfg) -> nn.Module:
     return model
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """The reference: a copy of the model as loaded, frozen (no gradients), in eval mode."""
-    import copy
-
-    frozen = copy.deepcopy(model).eval()
-    frozen.requires_grad_(False)
-    return frozen
-
-
 def preference_forward(self, **batch):
     """The model's forward. With a batch of pairs (data.py's collate: chosen_* and rejected_*),
     the PreferenceOutput of its chosen and rejected sequences run as one batch; with anything else
@@ -216,41 +206,6 @@ def reference_logits(model: nn.Module, both: dict) -> torch.Tensor:
         return frozen(**inputs).logits
     with adapters_off(model), evaluated(model):
         return type(model).forward(model, **inputs).logits
-
-
-@contextmanager
-def adapters_off(model: nn.Module):
-    """Every peft LoRA layer of the model skips its adapters within (the base model alone), and is
-    as it was after. Only the flag the layers read: peft's own enable_adapters(False) and
-    disable_adapter() also set requires_grad False on the adapters and set_adapter True on the way
-    back, which would unfreeze what the run froze or freeze what it trains."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    if not layers:  # never the policy itself as its own reference: it would move with it
-        raise RuntimeError(
-            "the reference is the model with its LoRA adapters off (lora_r), but it has none"
-        )
-    before = [layer._disable_adapters for layer in layers]
-    for layer in layers:
-        layer._disable_adapters = True
-    try:
-        yield
-    finally:
-        for layer, was in zip(layers, before, strict=True):
-            layer._disable_adapters = was
-
-
-@contextmanager
-def evaluated(model: nn.Module):
-    """The model in eval mode within (no dropout), each module's own mode back after."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
 
 
 def completion_logps(logits: torch.Tensor, labels: torch.Tensor):
@@ -374,15 +329,3 @@ def identity(model) -> dict:
     digest = weights_digest(weights)
     say(f"reference: {what}, weights digest {digest}")
     return {"reference": digest}
-
-
-def weights_digest(weights: dict) -> str:
-    """xxh3_64 of the tensors, by name, with their dtypes and shapes."""
-    import xxhash
-
-    digest = xxhash.xxh3_64()
-    for name in sorted(weights):
-        tensor = weights[name].detach().cpu().contiguous()
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
