@@ -200,6 +200,69 @@ def test_on_object_storage_the_job_script_stages_on_the_node_and_finds_the_stop_
     ]
 
 
+def test_on_object_storage_a_stop_that_torchrun_reports_as_1_is_75_from_the_staging_folder(
+    fake_torchrun,
+):
+    """torchrun ends with 1 whatever its workers said; a stop it passed on (the workers' own
+    SIGTERM, not the script's: stopped_on stays empty) leaves preempted.json in STAGING_DIR when
+    OUTPUT_DIR is a bucket's URL, never in OUTPUT_DIR (s3://... is no local path). Exit 75, as the
+    engines are told to restart on."""
+    env, tmp_path = fake_torchrun
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (tmp_path / "bin" / "torchrun").write_text(
+        '#!/bin/bash\necho "{}" > "$STAGING_DIR/preempted.json"\nexit 1\n'
+    )
+    env = {**env, "OUTPUT_DIR": "s3://bucket/run", "STAGING_DIR": str(staging)}
+    job = start_job(env)
+    assert job.wait(timeout=20) == STOP_CODE, job.stdout.read()
+    assert (staging / "preempted.json").exists()
+
+
+def test_the_rendezvous_watcher_counts_every_node_s_key_the_last_one_included(tmp_path):
+    """scripts/rendezvous.py on node 2 of 3, against a store standing in for torchrun's on node 0:
+    with node 0's key set by hand and node 2's by the watcher, 2 of 3 have joined (node 1 is the one
+    missing); once node 1's key is set, 3 of 3, and the watcher ends."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    address = f"127.0.0.1:{store.port}"
+    store.set("torchrun_job/joined/0", "1")
+    state = tmp_path / "rendezvous"
+    env = {
+        **os.environ,
+        "PET_NNODES": "3",
+        "PET_NODE_RANK": "2",
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(store.port),
+        "RDZV_TIMEOUT_S": "60",
+    }
+    watcher = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "rendezvous.py"), str(state)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+
+        def says(expected: str) -> bool:
+            deadline = time.monotonic() + 10  # counted every second
+            while time.monotonic() < deadline:
+                if state.exists() and state.read_text() == expected:
+                    return True
+                time.sleep(0.05)
+            return False
+
+        assert says(f"2 3 {address}\n"), state.read_text()
+        store.set("torchrun_job/joined/1", "1")
+        assert watcher.wait(timeout=10) == 0
+        assert state.read_text() == f"3 3 {address}\n"
+    finally:
+        watcher.kill()
+        watcher.wait()
+
+
 def test_the_ray_script_refuses_a_bad_flag_in_one_line_before_ray_starts(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "ray" / "train.py"), "--", "--lr", "-1"],

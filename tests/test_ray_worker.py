@@ -75,3 +75,34 @@ def test_each_ray_worker_s_child_gets_its_rank_within_its_node(monkeypatch, rank
     }
     assert {name: env[name] for name in expected} == expected
     assert started["command"] == [sys.executable, "train/main.py", "--max_steps", "3"]
+
+
+def test_every_rank_s_child_gets_the_port_rank_0_found_free(monkeypatch):
+    """rendezvous_port on the four workers, with Ray's process group faked where it carries objects
+    (broadcast_object_list from rank 0, which calls first): rank 0 binds a free port, and the three
+    others get that port, not their own 0. Rank 0's port is read from the socket it bound."""
+    import socket
+
+    import torch.distributed as dist
+
+    script = ray_script()
+    sent, bound = [], []
+    real_socket = socket.socket
+
+    class Recorded(real_socket):
+        def bind(self, address):
+            super().bind(address)
+            bound.append(self.getsockname()[1])
+
+    def broadcast_object_list(objects, src):
+        assert src == 0
+        if not sent:
+            sent.append(list(objects))  # rank 0's
+        else:
+            objects[:] = sent[0]
+
+    monkeypatch.setattr(script.socket, "socket", Recorded)
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    ports = [script.rendezvous_port(rank) for rank in range(4)]
+    assert len(bound) == 1 and bound[0] > 0
+    assert ports == bound * 4

@@ -118,3 +118,25 @@ def test_a_preempted_run_is_requeued(fake_slurm):
     (Path(env["OUTPUT_DIR"]) / "preempted.json").write_text('{"step": 7}')
     run_script("accelerate_2node.sbatch", env)
     assert "scontrol requeue 4242" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    "name", ["accelerate_2node.sbatch", "torchrun_2node.sbatch", "accelerate_1node.sbatch"]
+)
+def test_each_launcher_handles_the_signal_the_sbatch_directive_asks_slurm_for(fake_slurm, name):
+    """`#SBATCH --signal=USR1@300` sends SIGUSR1 to the launcher; torch elastic's launchers pass on
+    only the signals in PET_SIGNALS_TO_HANDLE (by default SIGTERM, SIGINT, SIGHUP, SIGQUIT: a SIGUSR1
+    would kill the launcher). The signal is read from the directive, the list from each launcher's
+    own environment."""
+    env, log = fake_slurm
+    signal_asked = "SIG" + (SLURM / name).read_text().split("#SBATCH --signal=")[1].split("@")[0]
+    assert signal_asked == "SIGUSR1"
+    env = {**env, "SLURM_NNODES": "1" if "1node" in name else "2"}
+    for launcher in ("accelerate", "torchrun"):  # each records what it was told to handle
+        shim = log.parent / "bin" / launcher
+        shim.write_text(f'#!/bin/bash\necho "{launcher} $PET_SIGNALS_TO_HANDLE" >> "$SHIM_LOG"\n')
+    run_script(name, env)
+    calls = log.read_text().splitlines()
+    assert len(calls) == int(env["SLURM_NNODES"])
+    for call in calls:
+        assert signal_asked in call.split()[1].split(","), call
