@@ -194,3 +194,57 @@ def test_a_save_or_the_export_waits_the_long_timeout_and_training_gets_step_time
     except OSError:
         pass
     assert set_to == [60, 1800, 60, 1800, 60]
+
+
+def test_a_rank_s_hang_note_names_the_step_it_is_training_and_is_written_to_its_file(
+    tmp_path, monkeypatch
+):
+    """After step_done(3) the rank trains step 4: a collective failing in its forward is noted as
+    step 4 (3 steps done, plus the one under way), in the store and in hangs/rank1.json."""
+    monkeypatch.setattr(hangs, "ANSWER_WAIT_S", 0.1)
+    monkeypatch.setattr(hangs, "set_collective_timeout", lambda seconds: None)
+    plumbing = SimpleNamespace(process_index=1, num_processes=2, device="cpu")
+    watch = hangs.Watch(plumbing, RunConfig(output_dir=str(tmp_path)))
+    watch.store = Store()
+    monkeypatch.setattr(hangs, "_watch", watch)
+    for step in (1, 2, 3):
+        watch.at("data")
+        watch.step_done(step)
+    watch.at("forward")
+    hangs.explain(RuntimeError("Timed out waiting 60000ms"))
+    written = json.loads((tmp_path / "hangs" / "rank1.json").read_text())
+    assert (written["rank"], written["step"], written["phase"]) == (1, 4, "forward")
+    assert written["waiting_in_a_collective"] is True
+    assert json.loads(watch.store.values["note/1"]) == written
+
+
+def test_a_slower_rank_that_costs_under_a_tenth_of_the_window_is_no_straggler():
+    """Rank 1 is 3 times slower than rank 0 (0.3 s against 0.1 s) and over STRAGGLER_MIN_S (0.1 s)
+    behind, but in a 10 s window its 0.2 s is 2% of the time, under STRAGGLER_COST (10%: 1 s)."""
+    watch = watch_of(2, {})
+    watch.plumbing.reduce = lambda tensor, how: torch.tensor([[0.05, 0.05], [0.25, 0.05]])
+    watch.window_started = time.perf_counter() - 10.0
+    row = watch.stragglers()
+    assert row["slowest_rank"] == 1 and abs(row["slowest_rank_s"] - 0.3) < 1e-6
+    assert "straggler_rank" not in row
+
+
+def test_nccl_s_watchdog_timeout_is_a_timeout_not_a_lost_peer():
+    """NCCL's watchdog words a timed-out collective without "timed out" (ProcessGroupNCCL.cpp:
+    "Watchdog caught collective operation timeout: ... ran for N milliseconds before timing out");
+    the line must say timed out, and name the rank that did not arrive, not call ranks lost."""
+    notes = {
+        0: {"phase": "backward", "step": 7, "waiting_in_a_collective": True},
+        1: {"phase": "data", "step": 7, "waiting_in_a_collective": False},
+    }
+    watch = watch_of(2, notes, step_timeout_s=600)
+    nccl = RuntimeError(
+        "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
+        "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600000 "
+        "milliseconds before timing out."
+    )
+    assert hangs.timed_out(nccl)
+    assert hangs.describe(watch, nccl) == (
+        "a collective in backward (step 7) timed out (step_timeout_s 600) on rank(s) 0: "
+        "rank 1 did not arrive: it was in data (step 7) (each rank's note and stack: runs/x/hangs)"
+    )
