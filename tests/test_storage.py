@@ -7,6 +7,8 @@ one line."""
 
 import importlib.util
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -514,3 +516,57 @@ def test_an_uploads_and_a_downloads_deadline_grow_with_their_bytes(tmp_path, mon
     local = bucket.download_newest(tmp_path / "downloads", Log())
     manifest = json.loads((local / MANIFEST).read_text())
     assert max(sizes) == sum(entry["bytes"] for entry in manifest["files"].values())
+
+
+def test_the_default_deadline_is_120_s_plus_1_s_per_20_mb(tmp_path):
+    """The module docstring's formula by hand: 2 GB at 20 MB/s is 100 s, plus the 120 s floor: 220 s;
+    an empty exchange gets the floor; --upload_timeout_s, when given, replaces it all."""
+    url = f"file://{tmp_path}/bucket/run"
+    assert storage.Bucket(url, 0).deadline_s(2_000_000_000) == 220.0
+    assert storage.Bucket(url, 0).deadline_s(0) == 120.0
+    assert storage.Bucket(url, 45).deadline_s(2_000_000_000) == 45.0
+
+
+def test_the_lease_is_renewed_every_third_of_store_lease_s(tmp_path, monkeypatch):
+    """A lease of 1.5 s is renewed after 0.5 s and again 0.5 s later (a third of it), so a second job,
+    which takes it over only after store_lease_s without a renewal, never finds it stale."""
+    renewed = []
+    monkeypatch.setattr(
+        storage.Lease, "_put", lambda self, **condition: renewed.append(time.monotonic()) or True
+    )
+    lease = storage.Lease(storage.Bucket(f"file://{tmp_path}/bucket/run"), 1.5)
+    started = time.monotonic()
+    renewing = threading.Thread(target=lease._renew, daemon=True)
+    renewing.start()
+    while len(renewed) < 2 and time.monotonic() - started < 5:
+        time.sleep(0.01)
+    lease.done.set()
+    renewing.join(timeout=5)
+    assert len(renewed) >= 2, renewed
+    gaps = [renewed[0] - started, renewed[1] - renewed[0]]
+    assert all(0.45 <= gap < 1.0 for gap in gaps), gaps
+
+
+def test_pruning_deletes_a_checkpoints_manifest_before_its_files(tmp_path, monkeypatch):
+    """A prune stopped half-way leaves an unfinished save (no manifest), never a committed one with
+    files missing: for each pruned step, its manifest is the first thing removed (keep_last 1 of
+    2 committed: step 1 goes)."""
+    root = tmp_path / "bucket" / "run" / "checkpoints"
+    for step in (1, 2):
+        folder = root / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"w" * 10)
+        (folder / MANIFEST).write_text(json.dumps({"step": step, "files": {}}))
+    bucket = storage.Bucket(f"file://{tmp_path}/bucket/run")
+    removed = []
+    real_rm = bucket.fs.rm
+
+    def rm(path, recursive=False, **kw):
+        removed.append(str(path).rstrip("/").split("/checkpoints/")[1])
+        return real_rm(path, recursive=recursive, **kw)
+
+    monkeypatch.setattr(bucket.fs, "rm", rm)
+    bucket.prune(keep_last=1, just_committed=2)
+    assert removed[0] == f"step_00000001/{MANIFEST}", removed
+    assert "step_00000001" in removed[1:]
+    assert sorted(path.name for path in root.iterdir()) == ["step_00000002"]
