@@ -1221,13 +1221,14 @@ BREAKS = (
         ),
     ),
     Break(
-        "blind50 B1: the sampler's seed is not advanced by the trials held: a restarted driver redraws the first values",
+        "blind50 B1: the sampler's seed is not advanced by the trials held: a restarted driver redraws "
+        "the first values",
         "scripts/sweep.py",
         'seed = self.space["seed"] + len(self.study.get_trials(deepcopy=False))',
         'seed = self.space["seed"]',
         (
-            "tests/test_sweep_driver.py::test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes",
-            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
+            "tests/test_sweep_driver.py::test_a_random_sweep_draws_what_optunas_sampler_draws_"
+            "seeded_by_the_trials_held",
         ),
     ),
     Break(
@@ -1236,9 +1237,8 @@ BREAKS = (
         "self.study.sampler = kind(seed=seed)",
         "self.study.sampler = kind()",
         (
-            "tests/test_sweep_driver.py::test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes",
-            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
-            "tests/test_sweep_driver.py::test_a_launch_command_that_cannot_train_stops_the_sweep_in_one_line",
+            "tests/test_sweep_driver.py::test_a_random_sweep_draws_what_optunas_sampler_draws_"
+            "seeded_by_the_trials_held",
         ),
     ),
     Break(
@@ -1265,8 +1265,8 @@ BREAKS = (
         "self.study.tell(trial, values[-1])",
         "self.study.tell(trial, values[0])",
         (
-            "tests/test_sweep_driver.py::test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes",
-            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
+            "tests/test_sweep_driver.py::test_a_maximize_sweep_takes_each_trial_s_last_eval_and_"
+            "calls_the_highest_best",
         ),
     ),
     Break(
@@ -1280,13 +1280,14 @@ BREAKS = (
         ),
     ),
     Break(
-        "blind50 B1: a trial preempted under accelerate launch/torchrun (exit 1, preempted.json) is failed, not requeued",
+        "blind50 B1: a trial preempted under accelerate launch/torchrun (exit 1, preempted.json) is "
+        "failed, not requeued",
         "scripts/sweep.py",
         'preempted = code == PREEMPTED_EXIT_CODE or (run_dir / "preempted.json").exists()',
         "preempted = code == PREEMPTED_EXIT_CODE",
         (
-            "tests/test_sweep_driver.py::test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes",
-            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
+            "tests/test_sweep_driver.py::test_a_trial_preempted_under_a_launcher_that_exits_1_"
+            "is_resumed_not_failed",
         ),
     ),
     Break(
@@ -1295,8 +1296,8 @@ BREAKS = (
         '            direction=self.space["direction"],\n',
         "",
         (
-            "tests/test_sweep_driver.py::test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes",
-            "tests/test_sweep_driver.py::test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm",
+            "tests/test_sweep_driver.py::test_a_maximize_sweep_takes_each_trial_s_last_eval_and_"
+            "calls_the_highest_best",
         ),
     ),
     Break(
@@ -1314,9 +1315,9 @@ BREAKS = (
         "                wait_until_free(run_dir)\n",
         "",
         (
-            "tests/e2e/test_sweep.py::test_a_killed_driver_resumes_its_trial_bitwise_and_reruns_no_finished_one",
+            "tests/test_sweep_driver.py::test_a_restarted_driver_resumes_its_trial_only_once_"
+            "the_old_workers_let_go_of_it",
         ),
-        quick=False,
     ),
     # B2: the profiler window and the restart report
     Break(
@@ -1355,8 +1356,8 @@ BREAKS = (
         "self.window[0] - 1 <= resumed_step < self.window[1]",
         "self.window[0] <= resumed_step < self.window[1]",
         (
-            "tests/test_profiling.py::test_the_window_records_its_steps_and_a_start_inside_it_records_the_rest",
-            "tests/test_profiling.py::test_the_window_s_edges_and_its_refusals_are_exact",
+            "tests/test_profiling.py::test_a_run_resumed_from_the_step_before_the_window_traces_"
+            "all_of_it",
         ),
     ),
     Break(
@@ -1375,8 +1376,8 @@ BREAKS = (
         "        atexit.register(self.close)  # a run stopped inside the window keeps what it recorded\n",
         "",
         (
-            "tests/test_profiling.py::test_the_window_records_its_steps_and_a_start_inside_it_records_the_rest",
-            "tests/test_profiling.py::test_a_run_says_where_its_traces_went_and_keeps_the_profiler_s_lines_off_the_console",
+            "tests/test_profiling.py::test_a_process_that_exits_inside_the_window_writes_the_"
+            "steps_it_recorded",
         ),
     ),
     Break(
@@ -1433,9 +1434,9 @@ BREAKS = (
         '"steps_lost": max(0, int(last_logged) - step),',
         '"steps_lost": max(0, int(last_logged) - step - 1),',
         (
-            "tests/e2e/test_tracking_runs.py::test_a_two_process_run_reports_to_wandb_offline_tensorboard_its_restart_report_and_profile",
+            "tests/test_tracking.py::test_a_resume_reports_the_steps_trained_past_its_checkpoint_"
+            "as_lost",
         ),
-        quick=False,
     ),
     # B3: object storage (train/storage.py)
     Break(
@@ -1443,9 +1444,7 @@ BREAKS = (
         "train/storage.py",
         "return DEADLINE_FLOOR_S + nbytes / SLOWEST_BYTES_PER_S",
         "return DEADLINE_FLOOR_S",
-        (
-            "tests/test_storage.py::test_the_default_deadline_is_120_s_plus_1_s_per_20_mb",
-        ),
+        ("tests/test_storage.py::test_the_default_deadline_is_120_s_plus_1_s_per_20_mb",),
     ),
     Break(
         "blind50 B3: a checkpoint's upload gets the deadline of an empty exchange (its bytes not passed)",
@@ -1466,7 +1465,8 @@ BREAKS = (
     Break(
         "blind50 B3: the first take of the lease is unconditional (a second job overwrites a live lease)",
         "train/storage.py",
-        '        if self.bucket.bounded(lost, lambda: self._put(IfNoneMatch="*")):\n            return self._keep()\n        seen',
+        '        if self.bucket.bounded(lost, lambda: self._put(IfNoneMatch="*")):\n'
+        "            return self._keep()\n        seen",
         "        if self.bucket.bounded(lost, lambda: self._put()):\n            return self._keep()\n        seen",
         (
             "tests/e2e/test_object_storage.py::test_a_second_job_on_a_bucket_run_in_use_is_refused_in_one_line_and_the_lease_is_let_go",
@@ -1498,9 +1498,7 @@ BREAKS = (
         "train/storage.py",
         "while not self.done.wait(self.lease_s / 3):",
         "while not self.done.wait(self.lease_s):",
-        (
-            "tests/test_storage.py::test_the_lease_is_renewed_every_third_of_store_lease_s",
-        ),
+        ("tests/test_storage.py::test_the_lease_is_renewed_every_third_of_store_lease_s",),
     ),
     Break(
         "blind50 B3: a job's end does not delete its lease (the next job waits store_lease_s)",
@@ -1554,9 +1552,7 @@ BREAKS = (
         "train/storage.py",
         '                self.fs.rm(f"{self._step(name)}/{MANIFEST}")\n',
         "",
-        (
-            "tests/test_storage.py::test_pruning_deletes_a_checkpoints_manifest_before_its_files",
-        ),
+        ("tests/test_storage.py::test_pruning_deletes_a_checkpoints_manifest_before_its_files",),
     ),
     Break(
         "blind50 B3: a resume downloads the oldest committed checkpoint, not the newest",
@@ -1572,8 +1568,10 @@ BREAKS = (
     Break(
         "blind50 B4: after the first step training keeps the long dist_timeout_s (a hang is caught in 30 min)",
         "train/hangs.py",
-        "        if not self.training and self.store is not None:\n            set_collective_timeout(self.cfg.step_timeout_s)\n",
-        "        if not self.training and self.store is not None:\n            set_collective_timeout(self.cfg.dist_timeout_s)\n",
+        "        if not self.training and self.store is not None:\n"
+        "            set_collective_timeout(self.cfg.step_timeout_s)\n",
+        "        if not self.training and self.store is not None:\n"
+        "            set_collective_timeout(self.cfg.dist_timeout_s)\n",
         (
             "tests/test_hang_watch.py::test_a_save_or_the_export_waits_the_long_timeout_and_training_gets_step_timeout_back",
         ),
@@ -1668,9 +1666,7 @@ BREAKS = (
         "train/hangs.py",
         'return "timed out" in message or "timeout" in message',
         'return "timed out" in message',
-        (
-            "tests/test_hang_watch.py::test_nccl_s_watchdog_timeout_is_a_timeout_not_a_lost_peer",
-        ),
+        ("tests/test_hang_watch.py::test_nccl_s_watchdog_timeout_is_a_timeout_not_a_lost_peer",),
     ),
     Break(
         "blind50 B4: the lost-peer line names the ranks that answered, not the silent ones",
@@ -1698,8 +1694,8 @@ BREAKS = (
         "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
         "MixedPrecisionPolicy(param_dtype=torch.bfloat16)",
         (
-            "tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",
-            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+            "tests/test_sharding.py::test_every_fsdp_unit_on_the_torch_path_gets_torch_s_own_"
+            "policy_for_the_precision",
         ),
     ),
     Break(
@@ -1708,8 +1704,8 @@ BREAKS = (
         "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
         "MixedPrecisionPolicy(reduce_dtype=torch.float32)",
         (
-            "tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",
-            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+            "tests/test_sharding.py::test_every_fsdp_unit_on_the_torch_path_gets_torch_s_own_"
+            "policy_for_the_precision",
         ),
     ),
     Break(
@@ -1718,8 +1714,8 @@ BREAKS = (
         '            if self.mixed_precision == "bf16"\n            else MixedPrecisionPolicy()',
         '            if self.mixed_precision != "bf16"\n            else MixedPrecisionPolicy()',
         (
-            "tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",
-            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+            "tests/test_sharding.py::test_every_fsdp_unit_on_the_torch_path_gets_torch_s_own_"
+            "policy_for_the_precision",
         ),
     ),
     Break(
@@ -1737,8 +1733,8 @@ BREAKS = (
         "            fully_shard(block, mesh=mesh, mp_policy=policy)\n",
         "            fully_shard(block, mesh=mesh)\n",
         (
-            "tests/test_sharding.py::test_accelerates_fsdp_reduces_gradients_in_fp32_under_bf16_as_the_torch_path_does",
-            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+            "tests/test_sharding.py::test_every_fsdp_unit_on_the_torch_path_gets_torch_s_own_"
+            "policy_for_the_precision",
         ),
     ),
     Break(
@@ -1747,7 +1743,8 @@ BREAKS = (
         "            fully_shard(block, mesh=mesh, mp_policy=policy)\n",
         "            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=False)\n",
         (
-            "tests/test_sharding.py::test_fsdp_shards_each_block_and_the_root_and_the_optimizer_steps_the_shards_with_checkpointing",
+            "tests/test_sharding.py::test_after_a_forward_each_block_on_the_torch_path_is_back_"
+            "to_its_shards",
         ),
     ),
     Break(
@@ -1835,9 +1832,7 @@ BREAKS = (
         "scripts/ray/train.py",
         "    dist.broadcast_object_list(port, src=0)\n",
         "",
-        (
-            "tests/test_ray_worker.py::test_every_rank_s_child_gets_the_port_rank_0_found_free",
-        ),
+        ("tests/test_ray_worker.py::test_every_rank_s_child_gets_the_port_rank_0_found_free",),
     ),
     Break(
         "blind50 B6: Ray: a restarted worker group does not resume (--resume latest dropped)",
@@ -1861,7 +1856,8 @@ BREAKS = (
         quick=False,
     ),
     Break(
-        "blind50 B6: torchrun_job.sh looks for preempted.json in OUTPUT_DIR, not the staging folder (s3: exit 1, not 75)",
+        "blind50 B6: torchrun_job.sh looks for preempted.json in OUTPUT_DIR, not the staging folder "
+        "(s3: exit 1, not 75)",
         "scripts/torchrun_job.sh",
         'if [ -f "$run_dir/preempted.json" ]; then',
         'if [ -f "$OUTPUT_DIR/preempted.json" ]; then',

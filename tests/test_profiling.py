@@ -244,3 +244,46 @@ libc.fflush(None)
     assert shown.stderr.splitlines() == ["python stderr before", "python stderr after"]
     log = (tmp_path / "profile" / "rank0.profiler.log").read_text().splitlines()
     assert sorted(log) == ["fd 2 inside", "printf inside", "python inside"]
+
+
+def test_a_run_resumed_from_the_step_before_the_window_traces_all_of_it(tmp_path):
+    """--profile_steps 3:5, resumed from step 2's checkpoint: the next step is 3, the window's first,
+    so steps 3, 4 and 5 are traced, as in a fresh run."""
+    rank0 = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True)
+    cfg = RunConfig(output_dir=str(tmp_path), profile_steps="3:5", max_steps=8)
+    resumed = ProfilerWindow(cfg, rank0, resumed_step=2)
+    steps(resumed, 3, 8)
+    trace = tmp_path / "profile" / "rank0.steps_3-5.pt.trace.json"
+    assert trace.exists(), sorted(p.name for p in (tmp_path / "profile").iterdir())
+    assert spans_of(trace) == ["train step 3", "train step 4", "train step 5"]
+
+
+def test_a_process_that_exits_inside_the_window_writes_the_steps_it_recorded(tmp_path):
+    """A run stopped (or failed) at step 4 of a 3:6 window: its process exits without the window's
+    close, and the trace of steps 3 and 4 is still written, named after them."""
+    script = f"""
+import sys
+from types import SimpleNamespace
+import torch
+from profiling import ProfilerWindow
+cfg = SimpleNamespace(profile_steps="3:6", max_steps=8, run_dir={str(tmp_path)!r},
+                      output_dir={str(tmp_path)!r}, shared_filesystem=True, oom_snapshot=False)
+rank0 = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True, device="cpu")
+window = ProfilerWindow(cfg, rank0, resumed_step=0)
+for step in range(1, 5):
+    torch.ones(8, 8, requires_grad=True).sum().backward()
+    window.step_done(step)
+sys.exit(0)
+"""
+    subprocess.run(
+        [sys.executable, "-c", script],
+        env=base_env(tmp_path),
+        capture_output=True,
+        timeout=120,
+        cwd=TRAIN,
+        check=True,
+    )
+    trace = tmp_path / "profile" / "rank0.steps_3-4.pt.trace.json"
+    assert trace.exists(), sorted(p.name for p in (tmp_path / "profile").iterdir())
+    # and the span of step 5, begun when the process stopped
+    assert spans_of(trace) == ["train step 3", "train step 4", "train step 5"]

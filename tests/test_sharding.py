@@ -441,3 +441,36 @@ def test_which_ranks_keep_their_own_buffers_and_a_ranks_buffers_round_trip():
         "0.running_var",
         "0.num_batches_tracked",
     ]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_every_fsdp_unit_on_the_torch_path_gets_torch_s_own_policy_for_the_precision(
+    tmp_path, launched, precision
+):
+    """Each fully_shard unit (every block and the root) holds the policy torch's FSDP2 documents for
+    bf16 compute with fp32 gradient reduction, MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32), under bf16, and torch's default MixedPrecisionPolicy() otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    expected = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    _, _, model, _ = sharded_job(tmp_path, mixed_precision=precision)
+    units = [model, *transformer_blocks(model, "fsdp")]
+    assert len(units) == 3  # the root and its 2 blocks
+    assert [fully_shard.state(unit)._mp_policy for unit in units] == [expected] * 3
+
+
+def test_after_a_forward_each_block_on_the_torch_path_is_back_to_its_shards(tmp_path, launched):
+    """reshard_after_forward: a block's gathered weights are freed once its forward is done (one
+    all-gather again in backward), so the peak holds one block unsharded at a time: after the forward
+    each block's parameters are the sharded DTensors again, not the gathered tensors."""
+    from torch.distributed.tensor import DTensor
+
+    _, _, model, _ = sharded_job(tmp_path)
+    tokens = torch.randint(0, 256, (2, 8))
+    model(input_ids=tokens, labels=tokens)
+    for block in transformer_blocks(model, "fsdp"):
+        assert all(isinstance(p, DTensor) for p in block.parameters()), type(block).__name__

@@ -544,7 +544,7 @@ def test_the_lease_is_renewed_every_third_of_store_lease_s(tmp_path, monkeypatch
     renewing.join(timeout=5)
     assert len(renewed) >= 2, renewed
     gaps = [renewed[0] - started, renewed[1] - renewed[0]]
-    assert all(0.45 <= gap < 1.0 for gap in gaps), gaps
+    assert all(0.45 <= gap < 1.25 for gap in gaps), gaps  # every store_lease_s: 1.5 s
 
 
 def test_pruning_deletes_a_checkpoints_manifest_before_its_files(tmp_path, monkeypatch):

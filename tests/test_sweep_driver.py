@@ -2,12 +2,14 @@
 milliseconds, SIGTERM -> preempted.json and exit 75): pruning, a failed trial, the driver's own stop and
 restart, the summary. Real runs of the template, killed and resumed bitwise: tests/e2e/test_sweep.py."""
 
+import fcntl
 import json
 import os
 import shlex
 import signal
 import sys
 import threading
+import time
 
 import optuna
 import pytest
@@ -141,3 +143,106 @@ def test_a_launch_command_that_cannot_train_stops_the_sweep_in_one_line(
     )
     assert "mian.py" in err[0] and f"{tmp_path / 'broken' / 'logs' / 'trial_000.log'}" in err[0]
     assert [t.state.name for t in trials_of(tmp_path / "broken")] == ["FAIL"]
+
+
+def first_draws(seed: int, space: dict) -> dict:
+    """What Optuna's own RandomSampler(seed) draws first, in a study of its own, over `space`'s
+    ranges."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    ranges = {
+        key: optuna.distributions.FloatDistribution(spec["low"], spec["high"])
+        for key, spec in space["parameters"].items()
+    }
+    return study.ask(ranges).params
+
+
+def test_a_random_sweep_draws_what_optunas_sampler_draws_seeded_by_the_trials_held(
+    tmp_path, own_signals
+):
+    """sampler: random, seed: 7. The first driver's trial 0 has RandomSampler(seed=7)'s first draw;
+    a driver started again on the same sweep (1 trial held) draws RandomSampler(seed=8)'s first,
+    not trial 0's values a second time."""
+    space = {"parameters": {"lr": {"low": 1e-3, "high": 1e-2}}, "sampler": "random", "seed": 7}
+    path = write_space(tmp_path / "space.yaml", **space)
+    sweep_dir = tmp_path / "seeded"
+    assert sweep_script().main(driver_argv(sweep_dir, path, trials=1)) == 0
+    assert sweep_script().main(driver_argv(sweep_dir, path, trials=2)) == 0
+    trials = trials_of(sweep_dir)
+    assert [t.params for t in trials] == [first_draws(7, space), first_draws(8, space)]
+
+
+def test_a_maximize_sweep_takes_each_trial_s_last_eval_and_calls_the_highest_best(
+    tmp_path, capsys, own_signals
+):
+    """The stand-in trial's eval rows are lr x 100 + 1 / step at steps 4, 8 and 12: a trial's value is
+    the last, lr x 100 + 1/12 (its first would be lr x 100 + 1/4), and under direction: maximize
+    the best trial is the one with the larger lr."""
+    space = write_space(
+        tmp_path / "space.yaml",
+        parameters={"lr": {"low": 1e-3, "high": 1e-2}},
+        direction="maximize",
+        sampler="random",
+    )
+    sweep_dir = tmp_path / "maximize"
+    assert sweep_script().main(driver_argv(sweep_dir, space, trials=2)) == 0
+    trials = trials_of(sweep_dir)
+    for trial in trials:
+        assert trial.value == pytest.approx(trial.params["lr"] * 100 + 1 / 12)
+    best = max(trials, key=lambda t: t.params["lr"])
+    assert f"best: trial {best.number}, eval_loss {best.value:.4g} " in capsys.readouterr().out
+
+
+def test_a_trial_preempted_under_a_launcher_that_exits_1_is_resumed_not_failed(
+    tmp_path, capsys, own_signals, monkeypatch
+):
+    """accelerate launch and torchrun exit 1 for a run stopped on a signal; the run's preempted.json
+    tells it apart from a failure: the trial is launched again with --resume latest, and completes."""
+    monkeypatch.setenv("FAKE_PREEMPT_ONCE", str(tmp_path / "preempted_once"))
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "requeued"
+    assert sweep_script().main(driver_argv(sweep_dir, space, trials=1)) == 0
+    assert "trial 0: preempted, resuming it (1/3)" in capsys.readouterr().out
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE"]
+    first, again = launches(sweep_dir / "trial_000")
+    assert "--resume" not in first and again[-2:] == ["--resume", "latest"]
+
+
+def stop_the_driver_once_trained(run_dir, rows: int = 3) -> None:
+    """SIGTERM to this process (the driver), as a scheduler does, once the trial logged `rows` rows."""
+
+    def preempt():
+        metrics = run_dir / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < rows:
+            threading.Event().wait(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=preempt, daemon=True).start()
+
+
+def test_a_restarted_driver_resumes_its_trial_only_once_the_old_workers_let_go_of_it(
+    tmp_path, capsys, own_signals
+):
+    """A killed driver's trial may still have workers writing its checkpoint, holding the run
+    folder's .lock: the next driver says it waits, and launches the resume only after the lock is
+    let go (here by another open file description of the lock, released 1 s later)."""
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "held"
+    argv = driver_argv(sweep_dir, space, trials=1)
+    first = sweep_dir / "trial_000"
+    stop_the_driver_once_trained(first)
+    assert sweep_script().main(argv) == 75
+    capsys.readouterr()
+    held = open(first / ".lock", "a")  # let go by the timer
+    fcntl.flock(held, fcntl.LOCK_EX)
+    released = []
+
+    def let_go():
+        released.append(time.time())
+        held.close()
+
+    threading.Timer(1.0, let_go).start()
+    assert sweep_script().main(argv) == 0
+    assert "waiting for the earlier trial's processes to let go of" in capsys.readouterr().out
+    assert len(launches(first)) == 2
+    # argv.jsonl is appended to once per launch, at its start: the resume's
+    assert (first / "argv.jsonl").stat().st_mtime >= released[0]

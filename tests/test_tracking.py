@@ -487,3 +487,19 @@ def test_a_resumed_runs_summary_gives_the_runs_best_evaluation_and_a_forks_final
     assert "done: step 4 in 0 min " in said
     assert "final eval (step 4): eval_accuracy 0.875" in said
     assert "best eval_loss" not in said
+
+
+def test_a_resume_reports_the_steps_trained_past_its_checkpoint_as_lost(tmp_path):
+    """metrics.jsonl has rows up to step 7 (the run before trained to 7), and the resume starts from
+    step 5's checkpoint: steps 6 and 7 are trained again, 2 steps lost. The start is the second
+    (run_info.json holds one launch)."""
+    cfg = RunConfig(output_dir=str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    rows = [{"step": step, "loss": 1.0 / step} for step in range(1, 8)]
+    rows.insert(4, {"step": 4, "eval_loss": 0.5})
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run" / "run_info.json").write_text(json.dumps({"launches": [{"argv": []}]}))
+    log = MetricsLogger(cfg, TorchDDP(cfg))
+    log.start(log.cfg, 5, {})
+    log.close()
+    assert log.restart == {"step": 6, "start": 2, "resumed_from_step": 5, "steps_lost": 2}

@@ -6,7 +6,9 @@ in milliseconds instead of seconds. The real runs are in tests/e2e/test_sweep.py
 Writes DIR/metrics.jsonl as train/main.py does: a training row per step, an eval row (eval_loss = lr x 100 +
 1 / step, so a bigger lr is worse) every 4 steps, 12 steps of 0.05 s; on SIGTERM, DIR/preempted.json and exit
 75 (a preempted run); DIR/argv.jsonl gets each launch's flags. FAKE_FAIL_ONCE=path: the first trial to
-create `path` fails after step 2, with an `error:` line and exit 1.
+create `path` fails after step 2, with an `error:` line and exit 1. FAKE_PREEMPT_ONCE=path: the first trial to
+create `path` is stopped after step 2 as under accelerate launch or torchrun: preempted.json, and exit 1 (the
+launcher's code). A start removes the preempted.json an earlier one left, as train/main.py does.
 """
 
 import json
@@ -25,6 +27,7 @@ def main() -> None:
     flags = dict(zip(argv[::2], argv[1::2], strict=True))
     run = Path(flags["--output_dir"])
     run.mkdir(parents=True, exist_ok=True)
+    (run / "preempted.json").unlink(missing_ok=True)
     with open(run / "argv.jsonl", "a") as f:
         f.write(json.dumps(argv) + "\n")
 
@@ -35,10 +38,9 @@ def main() -> None:
     step = 0
     signal.signal(signal.SIGTERM, preempted)
     lr = float(flags.get("--lr", "0.01"))
-    fail_once = os.environ.get("FAKE_FAIL_ONCE")
-    fails = bool(fail_once) and not Path(fail_once).exists()
-    if fails:
-        Path(fail_once).touch()
+    fails, stops = (
+        first_to_create(os.environ.get(name)) for name in ("FAKE_FAIL_ONCE", "FAKE_PREEMPT_ONCE")
+    )
     with open(run / "metrics.jsonl", "a", buffering=1) as metrics:
         for step in range(1, STEPS + 1):
             time.sleep(0.05)
@@ -48,6 +50,17 @@ def main() -> None:
             if fails and step == 2:
                 print(f"error: loss is nan at step {step}: training diverged", file=sys.stderr)
                 sys.exit(1)
+            if stops and step == 2:
+                (run / "preempted.json").write_text(json.dumps({"step": step, "signal": "SIGTERM"}))
+                sys.exit(1)
+
+
+def first_to_create(path: str | None) -> bool:
+    """Whether this launch is the first to create `path` (it creates it)."""
+    if not path or Path(path).exists():
+        return False
+    Path(path).touch()
+    return True
 
 
 if __name__ == "__main__":
