@@ -2065,14 +2065,18 @@ BREAKS = (
         "examples/rl/model.py",
         "rl, seed=None)",
         "rl, seed=0)",
-        ("tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",),
+        (
+            "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
+        ),
     ),
     Break(
         "blind52: the eval's pass_rate counts same_words (the format), not exact_answer",
         "examples/rl/model.py",
         'PASS = "exact_answer"',
         'PASS = "same_words"',
-        ("tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",),
+        (
+            "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
+        ),
     ),
     Break(
         "blind52: the step's totals are not all-reduced (batch std, logged reward over this rank only)",
@@ -2102,6 +2106,8 @@ BREAKS = (
         "    with adapters_off(policy):\n",
         "    with torch.no_grad():\n",
         (
+            "tests/test_rl.py::test_with_lora_the_reference_is_the_base_model_loaded_fresh_after_the_adapters_"
+            "moved",
             "tests/test_rl.py::test_each_loss_and_its_gradient_equal_the_formula_in_float64[grpo-2-0.1]",
             "tests/test_rl.py::test_each_loss_and_its_gradient_equal_the_formula_in_float64[dapo-2-0.1]",
             "tests/e2e/test_rl_runs.py::test_under_fsdp2_ranks_of_different_lengths_finish_and_the_reference_"

@@ -391,6 +391,49 @@ def test_the_log_probs_recorded_at_generation_are_the_current_policy_s(chat_llam
     )
 
 
+def test_with_lora_the_reference_is_the_base_model_loaded_fresh_after_the_adapters_moved(
+    chat_llama,
+):
+    """beta > 0 with --lora_r: the reference's log-probs are those of --hf_model's own weights, loaded
+    here without peft and each row run alone in float64, after the adapters have trained (lora_B,
+    zero at the start, moved by hand: at step 1 adapters on and off give the same logits)."""
+    from types import SimpleNamespace
+
+    from adapters import add_lora
+
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), lora_r=4, beta=0.1, max_new_tokens=6)
+    model = rl_model.build_model(cfg)
+    adapter = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_targets="")
+    model = add_lora(model, SimpleNamespace(**vars(adapter), hf_model=str(chat_llama)))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for name, parameter in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+    rows = hand_rows(len(rl_model.chat_tokenizer(cfg)), cfg)
+    batch = example_batch(rows, cfg, *old_and_ref(model, rows, cfg))
+    prompt = batch["input_ids"].size(1) - cfg.max_new_tokens
+    group = {
+        "prompt_ids": batch["input_ids"][:, :prompt],
+        "prompt_mask": batch["attention_mask"][:, :prompt],
+        "completion": batch["input_ids"][:, prompt:],
+        "mask": batch["completion_mask"],
+    }
+    with torch.no_grad():
+        reference = rl_model.reference_logps(model, group, cfg)
+    base = example("model").build_model(replace(cfg, lora_r=0, beta=0.0)).double().eval()
+    policy = model.double().eval()
+    moved = 0.0
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            expected = [float(x) for x in alone_logps(base, row, cfg.temperature)]
+            adapted = [float(x) for x in alone_logps(policy, row, cfg.temperature)]
+        assert reference[i, : row["counted"]].tolist() == pytest.approx(expected, abs=2e-5), i
+        moved = max(moved, *(abs(a - b) for a, b in zip(adapted, expected, strict=True)))
+    assert moved > 1e-2  # the adapters changed the policy: a reference with them on would differ
+
+
 def test_the_same_seed_step_and_rank_give_the_same_tokens_and_leave_the_rng_alone(chat_llama):
     rl_model = example("model")
     cfg = Cfg(hf_model=str(chat_llama), num_generations=4, max_new_tokens=8, temperature=1.0)
