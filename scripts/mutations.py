@@ -1424,9 +1424,9 @@ BREAKS = (
         '"start": len(launches),',
         '"start": len(previous),',
         (
-            "tests/e2e/test_tracking_runs.py::test_a_two_process_run_reports_to_wandb_offline_tensorboard_its_restart_report_and_profile",
+            "tests/test_tracking.py::test_a_resume_reports_the_steps_trained_past_its_checkpoint_"
+            "as_lost",
         ),
-        quick=False,
     ),
     Break(
         "blind50 B2: a resumed start reports one step lost fewer than it lost",
