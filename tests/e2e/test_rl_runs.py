@@ -361,9 +361,11 @@ def test_under_fsdp2_ranks_of_different_lengths_finish_and_the_reference_never_d
     pipeline, tmp_path
 ):
     """The torch path with --fsdp full (Accelerate's FSDP plugin needs GPUs): generate keeps every
-    rank's decode forwards in step (each gathers the shards), whatever its own completions' length."""
+    rank's decode forwards in step (each gathers the shards), whatever its own completions' length;
+    and a rank SIGKILLed after the step-2 checkpoint resumes to the uninterrupted run's tokens, rows
+    and export."""
     run_dir = tmp_path / "run"
-    args = pipeline.args(run_dir, max_steps=3, save_every=3, eval_every=3)
+    args = pipeline.args(run_dir, max_steps=4, save_every=2, eval_every=4)
     done = launch_torchrun(
         [*args, "--fsdp", "full"],
         tmp_path,
@@ -371,6 +373,36 @@ def test_under_fsdp2_ranks_of_different_lengths_finish_and_the_reference_never_d
         env_extra={"RECORD_ROLLOUTS": tmp_path / "rollouts"},
         timeout=180,
     ).check()
+    killed_dir = tmp_path / "killed"
+    killed_args = [*pipeline.args(killed_dir, max_steps=4, save_every=2, eval_every=4)]
+    killed_args += ["--fsdp", "full"]
+    faulty = pipeline.fork / "tests" / "helpers" / FAULTY_MAIN.name
+    env = {"FAULT_STEP": 3, "FAULT_ACTION": "sigkill", "FAULT_RANK": 1}
+    env.update(FAULT_ONCE=tmp_path / "sigkill.once", FAULTY_ENTRY="torch_ddp")
+    killed = launch_torchrun(killed_args, tmp_path, script=faulty, env_extra=env, timeout=180)
+    assert killed.returncode != 0
+    resumed = launch_torchrun(
+        [*killed_args, "--resume", "latest"],
+        tmp_path,
+        script=faulty,
+        env_extra={"FAULTY_ENTRY": "torch_ddp", "RECORD_ROLLOUTS": tmp_path / "after_resume"},
+        timeout=180,
+    ).check()
+    assert "(step 2)" in resumed.output
+    expected, written = step_rows(run_dir), step_rows(killed_dir)
+    assert sorted(written) == sorted(expected) == [1, 2, 3, 4]
+    for step in expected:
+        for name in ("loss", "grad_norm", *ROLLOUT_VALUES):
+            assert written[step][name] == expected[step][name], (step, name)
+    assert evals(killed_dir) == evals(run_dir)
+    after = recorded(tmp_path / "after_resume")
+    assert sorted(after) == [f"step{s:03d}_rank{r}" for s in (3, 4) for r in (0, 1)]
+    uninterrupted = recorded(tmp_path / "rollouts")
+    assert all(after[name] == uninterrupted[name] for name in after)
+    weights = load_weights(killed_dir / "model.safetensors")
+    exported = load_weights(run_dir / "model.safetensors")
+    assert weights.keys() == exported.keys() and weights
+    assert all(weights[key].equal(exported[key]) for key in weights)
     # the ranks' completions ended at different lengths: a rank done first had fewer forwards to run
     rollouts = recorded(tmp_path / "rollouts")
     longest = {
@@ -386,7 +418,7 @@ def test_under_fsdp2_ranks_of_different_lengths_finish_and_the_reference_never_d
     assert differed, longest
     # step 1: the policy is its reference
     rows = step_rows(run_dir)
-    assert sorted(rows) == [1, 2, 3]
+    assert sorted(rows) == [1, 2, 3, 4]
     assert rows[1]["kl"] == pytest.approx(0, abs=1e-9), rows[1]  # measured: 1e-13
     # then the policy moves away from it (measured: 1.3e-3 at step 3, noise aside: 1e-13)
     assert rows[3]["kl"] > 1e-5, rows
