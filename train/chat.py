@@ -214,6 +214,28 @@ def eval_split_name(splits, cfg) -> str | None:
     return next((s for s in candidates if s in splits and s != cfg.dataset_split), None)
 
 
+def checked_splits(splits, cfg, row_of, noun: str) -> dict:
+    """{split: rows} of the dataset_split and its eval split (if it has one), each row through
+    `row_of(row, where)`, `where` naming it for later lines: its line (a local JSON file's, which
+    row_of read already) or its place in the split. Only these two are read: a hub dataset may have
+    other splits (ultrafeedback_binarized's _sft, _gen)."""
+    checked = {}
+    for name in filter(None, (cfg.dataset_split, eval_split_name(splits, cfg))):
+        where = cfg.dataset if len(splits) == 1 else f"{cfg.dataset} ({name} split)"
+        checked[name] = splits[name].map(
+            named_row,
+            with_indices=True,
+            fn_kwargs={"where": where, "row_of": row_of},
+            remove_columns=splits[name].column_names,
+            desc=f"checking the {name} {noun}",
+        )
+    return checked
+
+
+def named_row(row: dict, index: int, where: str, row_of) -> dict:
+    return row_of(row, row.get("where") or f"{where} row {index + 1}")
+
+
 # ---------------------------------------------------------------- local files
 
 

@@ -46,7 +46,7 @@ import torch
 from chat import (
     chat_tokenizer,
     checked_messages,
-    eval_split_name,
+    checked_splits,
     not_prefixes,
     read_splits,
     render,
@@ -171,24 +171,7 @@ def load_pairs(cfg):
             f"dataset '{cfg.dataset}' has no {' or '.join(map(repr, missing))} column: a preference "
             f"pair is a prompt, a chosen and a rejected completion (columns: {', '.join(columns)})"
         )
-    pairs = {}
-    # only they are read into pairs: a hub dataset may have other splits (ultrafeedback's _sft, _gen)
-    for name in filter(None, (cfg.dataset_split, eval_split_name(splits, cfg))):
-        where = cfg.dataset if len(splits) == 1 else f"{cfg.dataset} ({name} split)"
-        pairs[name] = splits[name].map(
-            named_pair,
-            with_indices=True,
-            fn_kwargs={"where": where},
-            remove_columns=splits[name].column_names,
-            desc=f"checking the {name} pairs",
-        )
-    return pairs
-
-
-def named_pair(row: dict, index: int, where: str) -> dict:
-    """pair_row of a table's row, named by its line (a JSON file's, read by pair_row already) or by
-    its place in the split."""
-    return pair_row(row, row.get("where") or f"{where} row {index + 1}")
+    return checked_splits(splits, cfg, pair_row, "pairs")
 
 
 def pair_row(row: dict, where: str) -> dict:

@@ -39,7 +39,7 @@ import torch
 from chat import (
     chat_tokenizer,
     checked_messages,
-    eval_split_name,
+    checked_splits,
     read_splits,
     render,
     train_and_eval,
@@ -182,23 +182,7 @@ def load_prompts(cfg):
             f"dataset '{cfg.dataset}' has no {missing} column: RL with verifiable rewards needs "
             f"prompts and the answers the rewards check (columns: {', '.join(columns)})"
         )
-    prompts = {}
-    for name in filter(None, (cfg.dataset_split, eval_split_name(splits, cfg))):
-        where = cfg.dataset if len(splits) == 1 else f"{cfg.dataset} ({name} split)"
-        prompts[name] = splits[name].map(
-            named_prompt,
-            with_indices=True,
-            fn_kwargs={"where": where},
-            remove_columns=splits[name].column_names,
-            desc=f"checking the {name} prompts",
-        )
-    return prompts
-
-
-def named_prompt(row: dict, index: int, where: str) -> dict:
-    """prompt_row of a table's row, named by its line (a JSON file's, read by prompt_row already)
-    or by its place in the split."""
-    return prompt_row(row, row.get("where") or f"{where} row {index + 1}")
+    return checked_splits(splits, cfg, prompt_row, "prompts")
 
 
 def prompt_row(row: dict, where: str) -> dict:
