@@ -61,7 +61,12 @@ MODULES = {
     "run_folder": ["tests/test_saving.py", "tests/test_storage.py", "tests/test_checkpoint.py"],
     "blocks": ["tests/test_sharding.py", "tests/test_model.py", "tests/test_lm.py"],
     "plumbing": ["tests/test_plumbing.py", "tests/test_engines.py"],
-    "chat": ["tests/test_example_data.py", "tests/test_preference.py", "tests/test_rl.py"],
+    "chat": [
+        "tests/test_example_data.py",
+        "tests/test_preference.py",
+        "tests/test_rl.py",
+        "tests/test_hugging_face.py",  # end_of_turn_ids, through scripts/sample.py
+    ],
 }
 # where the issue names part of a module, only these functions are mutated (mutmut's names: x_f for a
 # function, x\u01c1Class\u01c1method for a method); the rest of the module is reached end to end
