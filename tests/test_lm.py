@@ -83,3 +83,46 @@ def test_a_loss_without_the_next_token_shift_is_refused_in_one_line():
         ) as error:
             check_loss_contract(model, {"input_ids": ids, "labels": ids}, RunConfig())
         assert "\n" not in str(error.value)
+
+
+def test_a_model_without_named_blocks_says_activation_checkpointing_needs_them_in_its_whole_line():
+    with pytest.raises(ConfigError) as error:
+        checkpoint_activations(torch.nn.Linear(2, 2))
+    assert str(error.value) == (
+        "model: activation_checkpointing works block by block, and Linear._no_split_modules names no "
+        "block class of it: set it to the class of the model's repeated layer"
+    )
+
+
+class Scaled(torch.nn.Module):
+    """A block whose forward takes a keyword argument: out = scale * (w * x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([2.0, 3.0]))
+
+    def forward(self, x, scale=1.0):
+        return scale * (self.weight * x)
+
+
+class TwoScaled(torch.nn.Module):
+    _no_split_modules = ["Scaled"]
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Scaled(), Scaled()
+
+
+def test_a_checkpointed_block_passes_keyword_arguments_and_trains_weights_of_an_input_without_grad():
+    """By hand: y = 5 * (w * x) with x = [1, 4] (a batch, no gradient of its own), so dy/dw = 5 * x =
+    [5, 20] and y = [10, 60]. The non-reentrant checkpoint gives the weights their gradient even when no
+    input requires one (the reentrant one would leave it None), and takes keyword arguments."""
+    model = TwoScaled()
+    checkpoint_activations(model)
+    x = torch.tensor([1.0, 4.0])
+    y = model.first(x, scale=5.0)
+    assert y.tolist() == [10.0, 60.0]
+    y.sum().backward()
+    assert model.first.weight.grad is not None
+    assert model.first.weight.grad.tolist() == [5.0, 20.0]
+    assert model.second.weight.grad is None  # not run
