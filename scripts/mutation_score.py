@@ -59,7 +59,12 @@ MODULES = {
     "checks": ["tests/test_hugging_face.py", "tests/test_config.py"],
     "hangs": ["tests/test_hang_watch.py"],
     "run_folder": ["tests/test_saving.py", "tests/test_storage.py", "tests/test_checkpoint.py"],
-    "blocks": ["tests/test_sharding.py", "tests/test_model.py", "tests/test_lm.py"],
+    "blocks": [
+        "tests/test_sharding.py",
+        "tests/test_model.py",
+        "tests/test_lm.py",
+        "tests/test_tracking.py",  # flops_per_token
+    ],
     "plumbing": ["tests/test_plumbing.py", "tests/test_engines.py"],
     "chat": [
         "tests/test_example_data.py",
