@@ -1,6 +1,7 @@
 """The causal LM task (train/lm.py), tested without the shipped GPT: its evaluation columns and metrics,
 block finding, and the start-up check (task.py) holding an LM whose loss forgets the shift."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from blocks import checkpoint_activations
 from errors import ConfigError
-from lm import causal_lm_loss, token_columns, token_metrics
+from lm import causal_lm_loss, packing_tokenizer, token_columns, token_metrics
 from run_config import config_class
 from task import check_loss_contract
 
@@ -126,3 +127,29 @@ def test_a_checkpointed_block_passes_keyword_arguments_and_trains_weights_of_an_
     assert model.first.weight.grad is not None
     assert model.first.weight.grad.tolist() == [5.0, 20.0]
     assert model.second.weight.grad is None  # not run
+
+
+def test_one_counted_target_is_the_loss_of_that_token_alone():
+    """By hand: two samples, one counted target (sample 0's position 0 predicts label 1), its logits
+    [0, ln 3, 0, 0]: p = 3 / 6, loss ln 2. Sample 1 counts nothing; the batch's loss is ln 2, not its
+    half (the count is at least 1, not more)."""
+    logits = torch.zeros(2, 3, 4)
+    logits[0, 0, 1] = math.log(3)
+    labels = torch.full((2, 3), -100)
+    labels[0, 1] = 1
+    assert causal_lm_loss(logits, labels).item() == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_the_metrics_of_one_token_nothing_counted_and_a_diverged_loss():
+    """By hand: one token of loss 3 is loss 3 (the divisor is the token count, at least 1), perplexity
+    e^3; nothing counted is 0 everywhere, perplexity 1; a per-token loss of 60 is capped at e^50."""
+    one = token_metrics({"tokens": 1.0, "loss": 3.0, "accuracy": 1.0})
+    assert one == {"loss": 3.0, "accuracy": 1.0, "perplexity": pytest.approx(math.exp(3))}
+    nothing = token_metrics({"tokens": 0.0, "loss": 0.0, "accuracy": 0.0})
+    assert nothing == {"loss": 0.0, "accuracy": 0.0, "perplexity": 1.0}
+    diverged = token_metrics({"tokens": 2.0, "loss": 120.0, "accuracy": 0.0})
+    assert diverged["loss"] == 60.0 and diverged["perplexity"] == math.exp(50)
+
+
+def test_the_bytes_tokenizer_packs_without_a_tokenizer_object():
+    assert packing_tokenizer("bytes") is None
