@@ -306,3 +306,50 @@ def test_every_documented_sample_command_is_one_sample_py_takes(tmp_path):
             sample.main(arguments)
         past_the_arguments = f"error: {absent} has no config.yaml: pass a run folder or one of its"
         assert str(stopped.value.code).startswith(past_the_arguments), (document, command)
+
+
+def test_pretrained_weights_are_the_folder_s_and_fresh_ones_from_a_bf16_config_are_fp32(
+    tmp_path, corpus, bpe_tokenizer, tiny_llama
+):
+    """--model_weights pretrained reads the folder's own tensors (compared with the safetensors file
+    read directly); --model_weights config builds fresh fp32 weights even where config.json says
+    bfloat16 (transformers' from_config would build bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    args = ["--dataset", str(corpus), "--block_size", "32", "--tokenizer", str(bpe_tokenizer)]
+    pretrained = lm.hugging_face_model(load_config([*args, "--hf_model", str(tiny_llama)]))
+    on_disk = load_file(tiny_llama / "model.safetensors")
+    assert torch.equal(
+        pretrained.state_dict()["model.embed_tokens.weight"], on_disk["model.embed_tokens.weight"]
+    )
+    folder = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    fresh = lm.hugging_face_model(
+        load_config([*args, "--hf_model", str(folder), "--model_weights", "config"])
+    )
+    assert {p.dtype for p in fresh.parameters()} == {torch.float32}
+
+
+def test_a_tokenizer_without_eos_cannot_pack_documents_and_the_export_saves_the_tokenizer(
+    tmp_path, corpus, bpe_tokenizer
+):
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer)
+    tokenizer.eos_token = None
+    no_eos = tmp_path / "no_eos"
+    tokenizer.save_pretrained(no_eos)
+    with pytest.raises(ConfigError) as error:
+        lm.packing_tokenizer(str(no_eos))
+    assert str(error.value) == (
+        f"tokenizer '{no_eos}' has no EOS token to end documents with: set its eos_token"
+    )
+    # the export's folder: the tokenizer's files, which encode as the original does; none for bytes
+    args = ["--dataset", str(corpus), "--block_size", "32"]
+    exported = tmp_path / "export"
+    exported.mkdir()
+    lm.save_tokenizer(load_config([*args, "--tokenizer", "bytes"]), exported)
+    assert list(exported.iterdir()) == []
+    lm.save_tokenizer(load_config([*args, "--tokenizer", str(bpe_tokenizer)]), exported)
+    text = "def f(x):\n    return x"
+    original = AutoTokenizer.from_pretrained(bpe_tokenizer)
+    assert AutoTokenizer.from_pretrained(exported)(text)["input_ids"] == original(text)["input_ids"]
