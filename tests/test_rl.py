@@ -532,7 +532,7 @@ def test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eva
     sums = {}
     for k in (0, 2):
         batch = prompt_batch(cfg, list(zip(prompts[k : k + 2], answers[k : k + 2], strict=True)))
-        for name, values in rl_model.eval_columns(model(**batch), batch).items():
+        for name, values in rl_model.generate_columns(model, batch, cfg).items():
             sums[name] = sums.get(name, 0.0) + values.sum().item()
     metrics = rl_model.eval_metrics(sums, cfg)
     exact, order, same = [], [], []

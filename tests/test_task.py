@@ -361,3 +361,104 @@ def test_a_rollout_that_takes_other_arguments_is_one_line_at_start_up(monkeypatc
     monkeypatch.setitem(sys.modules, "model", fork_model)
     with pytest.raises(ConfigError, match=r"rollout must take"):
         task.check_fork_files(RunConfig())
+
+
+# ---------------------------------------------------------------- generate_columns
+
+
+def generating_fork(monkeypatch, generate_columns, eval_columns=None):
+    """A fork's model.py with this generate_columns (and eval_columns, or none), the classifier's
+    metrics: sys.modules' `model`, as task.fork_file imports it."""
+    fork_model = types.ModuleType("model")
+    fork_model.build_model = lambda cfg: None
+    fork_model.eval_metrics = lambda sums, cfg: dict(sums)
+    fork_model.generate_columns = generate_columns
+    if eval_columns is not None:
+        fork_model.eval_columns = eval_columns
+        fork_model.eval_metrics = classifier_metrics
+    monkeypatch.setitem(sys.modules, "model", fork_model)
+    return fork_model
+
+
+class Wrapped(torch.nn.Module):
+    """A model in a wrapper, as DDP holds it (.module)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, **batch):
+        return self.module(**batch)
+
+
+def test_generate_columns_join_the_forward_s_columns_on_the_model_itself(monkeypatch):
+    """Each eval batch: eval_columns of the forward's output and generate_columns of the model
+    itself (DDP's wrapper taken off), one dict of columns; the start-up check sums them."""
+    model = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
+    seen = []
+
+    def generate_columns(model_given, batch, cfg):
+        seen.append(model_given)
+        return {"said_right": torch.tensor([1.0, 0.0, 1.0, 1.0])}
+
+    generating_fork(monkeypatch, generate_columns, classifier_columns)
+    columns = task.batch_columns(Wrapped(model), BATCH, RunConfig())
+    assert sorted(columns) == ["loss", "right", "said_right", "samples"]
+    assert seen == [model]  # not the wrapper
+    assert columns["said_right"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    task.check_loss_contract(Wrapped(model), BATCH, RunConfig())  # a loss that agrees: passes
+
+
+def test_an_eval_that_only_generates_needs_no_eval_columns_and_no_forward(monkeypatch):
+    """RL's eval: generate_columns alone; check_fork_files asks for no eval_columns, and neither the
+    start-up check nor an evaluation runs the forward on its batches."""
+
+    def forward_never(**batch):
+        raise AssertionError("the forward ran on an eval batch")
+
+    model = torch.nn.Module()
+    model.forward = forward_never
+    generating_fork(monkeypatch, lambda model, batch, cfg: {"prompts": torch.ones(4)})
+    task.check_fork_files(RunConfig())
+    task.check_loss_contract(model, BATCH, RunConfig())
+    assert list(task.batch_columns(model, BATCH, RunConfig())) == ["prompts"]
+
+
+@pytest.mark.parametrize(
+    "columns, line",
+    [
+        (
+            {"said": torch.ones(3)},
+            "train/model.py: generate_columns' 'said' must be one value per sample, shape (4,), "
+            "to be summed over exactly the eval set (got (3,))",
+        ),
+        (
+            [torch.ones(4)],
+            "train/model.py: generate_columns must return a dict {name: tensor of shape (batch,)} "
+            "(got list)",
+        ),
+        (
+            {"right": torch.ones(4)},
+            "train/model.py: eval_columns and generate_columns both give 'right': name each "
+            "column once (they are summed into one eval set's sums)",
+        ),
+    ],
+)
+def test_generate_columns_that_break_the_contract_are_one_line_at_start_up(
+    monkeypatch, columns, line
+):
+    model = model_returning(lambda logits, labels: F.cross_entropy(logits, labels))
+    generating_fork(monkeypatch, lambda model, batch, cfg: columns, classifier_columns)
+    with pytest.raises(ConfigError) as e:
+        task.check_loss_contract(model, BATCH, RunConfig())
+    assert str(e.value) == line
+
+
+def test_generate_columns_that_take_other_arguments_is_one_line_at_start_up(monkeypatch):
+    generating_fork(monkeypatch, lambda model, batch: {})
+    with pytest.raises(ConfigError) as e:
+        task.check_fork_files(RunConfig())
+    assert str(e.value) == (
+        "train/model.py: generate_columns must take (model, batch, cfg) and return "
+        '{name: tensor of shape (batch,)} (README "Make it yours"; examples/rl has one)'
+    )

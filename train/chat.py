@@ -15,6 +15,9 @@ examples/preference: DPO and its family).
                                             (eval_split_name: which split is the eval set, if any)
     say(line)                               a line of the data's at start-up, first process only
     end_of_turn_ids(tokenizer)              the tokens that end an assistant's turn (<|im_end|>, EOS)
+    greedy(model, prompt_ids, ...)          each left-padded prompt's greedy continuation, to its
+                                            end of turn (eval: generate_columns, task.py)
+    up_to_the_end(completion, ends)         what counts of each completion: up to and with its end
 
 and what a model that is tuned against a reference needs of it (examples/rl; examples/preference
 has the same in its own model.py):
@@ -373,6 +376,77 @@ def end_of_turn_ids(tokenizer) -> set[int]:
         i for i in tokenizer(after_reply, add_special_tokens=False)["input_ids"] if i in special
     ]
     return {*ending[:1], tokenizer.eos_token_id} - {None}
+
+
+# ---------------------------------------------------------------- generating
+
+
+def greedy(model, prompt_ids, prompt_mask, ends: list[int], pad_id: int, max_new_tokens: int):
+    """(rows, new tokens): each prompt's greedy continuation, up to max_new_tokens or its end of
+    turn (then pad_id). The prompts are left-padded (prompt_mask 0), each one's positions counted
+    from its first token, as training counts them, so a prompt generates alike whatever its
+    padding. Only these keys decide (the model's own generation_config, a hub model's sampling
+    defaults, is left out), and under FSDP2 every rank runs as many forwards (synced_gpus)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        # every other knob neutral: the model's own generation_config fills only what is unset
+        temperature=1.0,
+        top_p=1.0,
+        top_k=None,
+        min_p=None,
+        typical_p=1.0,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        eos_token_id=ends,
+        pad_token_id=pad_id,
+        use_cache=True,
+    )
+    with without_model_defaults(model):
+        output = model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+            generation_config=config,
+            synced_gpus=sharded(model),
+        )
+    return output[:, prompt_ids.size(1) :]
+
+
+def up_to_the_end(completion, ends: list[int]):
+    """(rows, tokens) 1 for each token up to and with the first end of turn (all of them where
+    none ends), 0 after."""
+    import torch
+
+    is_end = torch.isin(completion, torch.tensor(ends, device=completion.device)).long()
+    ended_before = is_end.cumsum(-1) - is_end
+    return (ended_before == 0).long()
+
+
+@contextmanager
+def without_model_defaults(model):
+    """generate fills what its config leaves unset from the model's generation_config (a hub
+    model's min_p, top_k, ...): within, the model has none, so the run's keys alone decide."""
+    from transformers import GenerationConfig
+
+    kept = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = kept
+
+
+def sharded(model) -> bool:
+    """Whether the model is sharded over several ranks (FSDP2): generate then keeps every rank's
+    decode forwards in step (synced_gpus), or a rank that finished first would leave the others
+    waiting in a collective."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1
 
 
 # ---------------------------------------------------------------- the reference

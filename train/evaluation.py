@@ -29,7 +29,8 @@ def evaluate(model, eval_loaders: dict, plumbing, cfg) -> dict:
     with shared_buffers(model, plumbing.num_processes):
         for source, eval_loader in eval_loaders.items():
             for batch in eval_loader:
-                columns = task.eval_columns(model(**batch), batch)  # model.py's: per sample
+                # model.py's, per sample: of the forward's output, and of what it generates
+                columns = task.batch_columns(model, batch, cfg)
                 # the sampler pads the last batches so every rank has as many; gather_for_metrics
                 # drops the copies
                 for name, values in plumbing.gather_for_metrics(columns).items():

@@ -13,6 +13,14 @@ below, by these names (README "Make it yours"):
               eval_columns(output, batch)     {name: tensor of shape (batch,)}: per-sample values the
                                               template sums over exactly the eval set (the copies that
                                               pad the last batches dropped, every rank the same sums)
+              generate_columns(model, batch,  optional: more such columns from what the model
+                               cfg)           generates (free-running, not teacher-forced): an
+                                              answer's exact match, a reward, BLEU's counts. `model`
+                                              is the model itself (DDP's wrapper taken off; FSDP2's
+                                              shards stay: generate with synced_gpus). Every rank
+                                              calls it on as many batches. A task whose eval only
+                                              generates (RL) may leave eval_columns out: its eval
+                                              batches then see no forward
               eval_metrics(sums, cfg)         {name: float} from those sums, logged as eval_<name>:
                                               e.g. accuracy = correct / samples, F1 from counts
               tokens_per_sample(cfg)          optional: a sample's tokens, for tokens/s, tokens_seen
@@ -101,6 +109,39 @@ def collate(samples: list) -> dict:
 
 def eval_columns(output, batch: dict) -> dict:
     return fork_file("model").eval_columns(output, batch)
+
+
+def generate_columns(model, batch: dict, cfg) -> dict:
+    """model.py's optional `generate_columns(model, batch, cfg)` on the model itself (unwrapped):
+    per-sample columns of what it generates; {} without one."""
+    generated = getattr(fork_file("model"), "generate_columns", None)
+    if generated is None:
+        return {}
+    return generated(unwrapped(model), batch, cfg)
+
+
+def teacher_forced() -> bool:
+    """Whether model.py's eval runs the forward on each eval batch (it has eval_columns): a task
+    whose eval only generates (RL's prompts) has no loss to compute on them."""
+    return callable(getattr(fork_file("model"), "eval_columns", None))
+
+
+def batch_columns(model, batch: dict, cfg) -> dict:
+    """One eval batch's per-sample columns: eval_columns of the forward's output, and
+    generate_columns' of what the model generates (either may be absent, not both)."""
+    columns = eval_columns(model(**batch), batch) if teacher_forced() else {}
+    return {**columns, **generate_columns(model, batch, cfg)}
+
+
+def unwrapped(model):
+    """The model itself, as model.py built it: DDP's wrapper and torch.compile's taken off (FSDP2
+    shards the model in place: it stays sharded, and generate must keep every rank's forwards in
+    step, synced_gpus)."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
 
 
 def eval_metrics(sums: dict, cfg) -> dict:
@@ -197,6 +238,15 @@ def check_fork_files(cfg) -> None:
     required = {module: dict(names) for module, names in REQUIRED.items()}
     if cfg.streaming:
         required["data"]["packer"] = (("cfg",), "which packs streamed documents (--streaming)")
+    generates = getattr(fork_file("model"), "generate_columns", None)
+    if generates is not None:
+        if not takes(generates, ("model", "batch", "cfg")):
+            raise ConfigError(
+                "train/model.py: generate_columns must take (model, batch, cfg) and return "
+                '{name: tensor of shape (batch,)} (README "Make it yours"; examples/rl has one)'
+            )
+        # an eval that only generates (RL's) needs no eval_columns
+        del required["model"]["eval_columns"]
     for module_name, names in required.items():
         module = fork_file(module_name)
         for name, (arguments, what) in names.items():
@@ -264,15 +314,28 @@ def takes(function, arguments: tuple) -> bool:
 
 @torch.no_grad()
 def check_loss_contract(model, batch: dict, cfg) -> None:
-    """On one eval batch: the model returns a .loss, eval_columns gives one value per sample, and
-    where the task reports a loss, it is the .loss the model trains on. Anything else is one line
+    """On one eval batch: the model returns a .loss, eval_columns (and generate_columns) give one
+    value per sample, and where the task reports a loss, it is the .loss the model trains on. Anything else is one line
     that names the fork's file and line, not a traceback from inside the template."""
     model.eval()
+    forward = teacher_forced()
     try:
-        output = model(**batch)
-        columns = eval_columns(output, batch)
         samples = len(next(iter(batch.values())))
-        check_columns(columns, samples)
+        columns = {}
+        if forward:
+            output = model(**batch)
+            columns = eval_columns(output, batch)
+            check_columns(columns, samples, "eval_columns")
+        generated = generate_columns(model, batch, cfg)
+        if generated or not forward:
+            check_columns(generated, samples, "generate_columns")
+        both = sorted(set(columns) & set(generated))
+        if both:
+            raise ConfigError(
+                f"train/model.py: eval_columns and generate_columns both give '{both[0]}': "
+                "name each column once (they are summed into one eval set's sums)"
+            )
+        columns.update(generated)
         sums = {name: values.double().sum().item() for name, values in columns.items()}
         metrics = eval_metrics(sums, cfg)
     except ConfigError:
@@ -283,13 +346,15 @@ def check_loss_contract(model, batch: dict, cfg) -> None:
         ) from None
     finally:
         model.train()
+    check_loss_items(batch)
+    if not forward:  # no forward on eval batches: the training batches' .loss is the step's
+        return
     loss = getattr(output, "loss", None)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ConfigError(
             "train/model.py: the model's forward(**batch) must return an object whose .loss is the scalar "
             f"loss training minimises (got .loss = {type(loss).__name__})"
         )
-    check_loss_items(batch)
     reported = metrics.get("loss")
     if reported is None or math.isclose(loss.item(), reported, rel_tol=1e-3, abs_tol=1e-4):
         return
@@ -320,10 +385,11 @@ def check_loss_items(batch: dict) -> None:
         )
 
 
-def check_columns(columns, samples: int) -> None:
+def check_columns(columns, samples: int, function: str) -> None:
+    """What eval_columns (or generate_columns) returned: a dict of one value per sample."""
     if not isinstance(columns, dict) or not columns:
         raise ConfigError(
-            "train/model.py: eval_columns must return a dict {name: tensor of shape (batch,)} "
+            f"train/model.py: {function} must return a dict {{name: tensor of shape (batch,)}} "
             f"(got {type(columns).__name__})"
         )
     for name, values in columns.items():
@@ -332,7 +398,7 @@ def check_columns(columns, samples: int) -> None:
                 tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
             )
             raise ConfigError(
-                f"train/model.py: eval_columns' '{name}' must be one value per sample, shape "
+                f"train/model.py: {function}' '{name}' must be one value per sample, shape "
                 f"({samples},), to be summed over exactly the eval set (got {shape})"
             )
 

@@ -58,8 +58,9 @@ Under FSDP2 every rank must run as many decode forwards (each gathers the shards
 synced_gpus, which all-reduces "this rank is done" each token and keeps a finished rank's forwards
 going until every rank is done. Under DDP each rank stops when its own completions end.
 
-The eval, over exactly the eval prompts, greedy (one completion each): the mean reward and each
-reward function's mean, pass_rate (the share whose exact_answer is 1) and the completion's tokens.
+The eval (generate_columns, which the template calls on each eval batch), over exactly the eval
+prompts, greedy (one completion each): the mean reward and each reward function's mean, pass_rate
+(the share whose exact_answer is 1) and the completion's tokens.
 Each step's line: reward (the mean), reward_std, each reward_<function>'s mean, completion_tokens
 (mean) and completion_tokens_max, clipped_share (completions that reached max_new_tokens without
 ending), generation_share (of the step before: generation's seconds over the time from that step's
@@ -263,12 +264,9 @@ class RL:
 
 @dataclass
 class RLOutput:
-    """The forward's output: .loss, and per row what the eval reports."""
+    """The forward's output on a rollout's micro-batch: the .loss the step minimises."""
 
     loss: torch.Tensor
-    rewards: torch.Tensor | None = None  # (rows,) the weighted reward (eval)
-    scores: dict | None = None  # {reward function: (rows,)} (eval)
-    tokens: torch.Tensor | None = None  # (rows,) completion tokens (eval)
 
 
 def build_model(cfg) -> nn.Module:
@@ -287,13 +285,11 @@ def build_model(cfg) -> nn.Module:
 
 
 def rl_forward(self, **batch):
-    """The model's forward: a rollout's micro-batch (advantages) gives the policy loss, an eval
-    batch of prompts its greedy completions' rewards, anything else (generate's own calls) the
-    Hugging Face model's forward."""
+    """The model's forward: a rollout's micro-batch (advantages) gives the policy loss, anything
+    else (generate's own calls) the Hugging Face model's forward. (The eval's prompts see no
+    forward: generate_columns generates from them.)"""
     if "advantages" in batch:
         return policy_loss(self, batch)
-    if "prompt_ids" in batch:
-        return evaluation(self, batch)
     return type(self).forward(self, **batch)
 
 
@@ -341,18 +337,6 @@ def token_logps(forward, batch: dict, cfg) -> torch.Tensor:
         picked = scaled.gather(-1, targets[row][:, None]).squeeze(-1)
         rows.append(picked - scaled.logsumexp(-1))
     return torch.stack(rows)
-
-
-def evaluation(model, batch: dict) -> RLOutput:
-    """An eval batch of prompts: one greedy completion each, scored (eval_columns reads them)."""
-    rl = model.rl
-    generated = generate(model, batch["prompt_ids"], batch["prompt_mask"], rl, seed=None)
-    generated["answer_bytes"] = batch["answer_bytes"]
-    scores = score(rl, generated, with_pass=True)
-    rewards = weighted(rl, scores)
-    return RLOutput(
-        loss=-rewards.mean(), rewards=rewards, scores=scores, tokens=generated["mask"].sum(-1)
-    )
 
 
 # ---------------------------------------------------------------- generation
@@ -723,16 +707,23 @@ def loss_items(batch: dict):
     return batch["prompt_ids"].size(0)
 
 
-def eval_columns(output, batch: dict) -> dict:
-    """Per eval prompt (one greedy completion each), summed over exactly the eval set."""
+def generate_columns(model, batch: dict, cfg) -> dict:
+    """Per eval prompt, one greedy completion, scored: the prompt (1), its reward, each reward
+    function's score (exact_answer's too, for pass_rate) and its tokens, summed over exactly the
+    eval set (task.py). The eval generates only: no eval_columns, no forward on these batches."""
+    rl = model.rl
+    generated = generate(model, batch["prompt_ids"], batch["prompt_mask"], rl, seeds=None)
+    generated["answer_bytes"] = batch["answer_bytes"]
+    scores = score(rl, generated, with_pass=True)
+    rewards = weighted(rl, scores)
     columns = {
-        "prompts": torch.ones_like(output.rewards),
-        "reward": output.rewards,
-        "completion_tokens": output.tokens,
-        **{f"reward_{name}": values for name, values in output.scores.items()},
+        "prompts": torch.ones_like(rewards),
+        "reward": rewards,
+        "completion_tokens": generated["mask"].sum(-1),
+        **{f"reward_{name}": values for name, values in scores.items()},
     }
     device = batch["prompt_ids"].device
-    return {name: values.detach().double().to(device) for name, values in columns.items()}
+    return {name: values.double().to(device) for name, values in columns.items()}
 
 
 def eval_metrics(sums: dict, cfg) -> dict:

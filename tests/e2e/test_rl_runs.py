@@ -94,6 +94,7 @@ class Pipeline:
         # 61 validation prompts: neither the ranks nor the eval batches divide them
         self.prompts = sort_words_task.write_prompts(root / "sort" / "prompts", validation=61)
         chats = sort_words_task.write_sft_chats(root / "sort" / "sft", train=256, validation=16)
+        self.chats = chats
         sft_fork = fork_with(root / "sft", CHAT_SFT / "model.py", CHAT_SFT / "data.py")
         self.sft = root / "sft_run"
         sft_args = tiny_args(
@@ -319,6 +320,43 @@ def test_it_logs_its_rollouts_each_step_and_its_eval_is_the_export_s_greedy_coun
         assert last[f"eval_{name}"] == pytest.approx(independent[name], rel=1e-12, abs=1e-12), name
     # the SFT run answers the task at times: the pass rate counts something
     assert independent["pass_rate"] > 0, independent
+
+
+def test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn(pipeline):
+    """The chat example's generate_columns end to end (16 validation chats packed several to a
+    block, in batches of 16 blocks): the SFT run's eval_answer_exact equals
+    the share of the validation chats whose answer the export generates token for token
+    (transformers' generate, each prompt alone, no padding), up to and with its end of turn, the
+    answer's tokens read from the chat template's own rendering."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(pipeline.sft, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(pipeline.sft)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    lines = (pipeline.chats / "validation.jsonl").read_text().splitlines()
+    exact = 0
+    for line in lines:
+        messages = json.loads(line)["messages"]
+        prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
+        prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
+        whole = tokenizer.apply_chat_template(messages)
+        whole = whole if isinstance(whole, list) else whole["input_ids"]
+        answer = whole[len(prompt) : whole.index(end, len(prompt)) + 1]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=len(answer),
+                do_sample=False,
+                eos_token_id=[end, tokenizer.eos_token_id],
+                pad_token_id=end,
+            )
+        exact += out[0, len(prompt) :].tolist() == answer
+    last = [row for row in read_metrics(pipeline.sft) if "eval_answer_exact" in row][-1]
+    assert last["step"] == SFT_STEPS
+    assert last["eval_answer_exact"] == exact / len(lines), (last, exact)
+    assert 0 < exact < len(lines)  # some answers right, some wrong: the count tells them apart
 
 
 def test_the_torch_path_killed_and_resumed_ends_bitwise_as_the_accelerate_run(
