@@ -72,6 +72,20 @@ MODULES = {
         "tests/test_rl.py",
         "tests/test_hugging_face.py",  # end_of_turn_ids, through scripts/sample.py
     ],
+    # scripts (OUTSIDE): the tests that load them in their own process
+    "sweep": [
+        "tests/test_sweep_inputs.py",
+        "tests/test_sweep_driver.py",
+        "tests/test_sweep_plot.py",
+    ],
+    "launch": ["tests/test_stop_signals.py"],
+}
+# outside train/: the name its tests import it by, and its file. Tests load a script or an example by
+# path under that name (test_sweep_inputs.py's sweep_script, conftest.example_file's <example>_<file>);
+# the scratch copy puts it at the root under that name and leaves a stand-in at its path (SHIM)
+OUTSIDE = {
+    "sweep": "scripts/sweep.py",
+    "launch": "scripts/launch.py",
 }
 # where the issue names part of a module, only these functions are mutated (mutmut's names: x_f for a
 # function, x\u01c1Class\u01c1method for a method); the rest of the module is reached end to end
@@ -147,11 +161,28 @@ for name in names:
     diffs[name] = get_diff_for_mutant(name, path=paths[module])
 print(json.dumps(diffs))
 """
+# what stands at a script's or an example's own path in the scratch copy: the mutated file at the root,
+# run as this file (its module name, its __file__: the paths it finds from there are the repository's);
+# where that is absent (a fork's copy of the file, tests/conftest.fork_with), the file's own code
+SHIM = """\"\"\"mutation_score.py's stand-in: {name}.py at the root, mutated, run as this file.\"\"\"
+import pathlib as _pathlib
+
+_mutated = _pathlib.Path(__file__).resolve().parents[{depth}] / "{name}.py"
+_code = _mutated.read_text() if _mutated.is_file() else {original!r}
+exec(compile(_code, str(_mutated), "exec", dont_inherit=True))
+"""
 STATUS = re.compile(r"^\s*(\S+__mutmut_\d+): (.+)$")
 
 
+def source_of(module: str) -> str:
+    """The module's file in the repository."""
+    return OUTSIDE.get(module, f"train/{module}.py")
+
+
 def scratch_copy(module: str, tests: list[str]) -> Path:
-    """The repository's tracked files, train/'s modules also at the root, and mutmut's settings."""
+    """The repository's tracked files, train/'s modules also at the root (and a script or example
+    measured, under the name its tests import it by, with SHIM at its own path), and mutmut's
+    settings."""
     folder = Path(tempfile.mkdtemp(prefix=f"mutation-{module}-"))
     listed = subprocess.run(
         ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
@@ -163,6 +194,12 @@ def scratch_copy(module: str, tests: list[str]) -> Path:
             shutil.copy2(source, folder / name)
     for path in (REPO / "train").glob("*.py"):
         shutil.copy2(path, folder / path.name)
+    if module in OUTSIDE:
+        own = Path(OUTSIDE[module])
+        original = (REPO / own).read_text()
+        (folder / f"{module}.py").write_text(original)
+        depth = len(own.parts) - 1  # scripts/sweep.py: the root is parents[1]
+        (folder / own).write_text(SHIM.format(name=module, depth=depth, original=original))
     settings = folder / "pyproject.toml"
     text = settings.read_text()
     paths = 'pythonpath = ["train", "tests/helpers"]'
@@ -321,7 +358,7 @@ def changed_functions(module: str, since: str) -> list[str]:
     import ast
 
     diff = subprocess.run(
-        ["git", "diff", "-U0", since, "--", f"train/{module}.py"],
+        ["git", "diff", "-U0", since, "--", source_of(module)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -333,7 +370,7 @@ def changed_functions(module: str, since: str) -> list[str]:
         changed.update(range(start, start + max(count, 1)))
     if not changed:
         return []
-    tree = ast.parse((REPO / "train" / f"{module}.py").read_text())
+    tree = ast.parse((REPO / source_of(module)).read_text())
     found = []
 
     def visit(nodes, owner: str | None) -> None:
@@ -405,7 +442,7 @@ def main() -> None:
         return
     for module in args.modules or list(MODULES):
         print(
-            f"{module}: mutating train/{module}.py, tests {' '.join(MODULES[module])}", flush=True
+            f"{module}: mutating {source_of(module)}, tests {' '.join(MODULES[module])}", flush=True
         )
         if args.functions:
             again = run_module(module, MODULES[module], args.functions)
