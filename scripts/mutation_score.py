@@ -79,6 +79,19 @@ MODULES = {
         "tests/test_sweep_plot.py",
     ],
     "launch": ["tests/test_stop_signals.py"],
+    # the examples' files (OUTSIDE) that a quick test loads in its own process (conftest.example_file);
+    # the GRU's, and the image and text classifiers' models, are run only by forks' trainings
+    "chat_sft_data": ["tests/test_example_data.py", "tests/test_generate_columns.py"],
+    "chat_sft_model": ["tests/test_generate_columns.py"],
+    "text_classification_data": ["tests/test_example_data.py"],
+    "image_classification_data": [
+        "tests/test_example_data.py",
+        "tests/test_image_folder_console.py",
+    ],
+    "preference_data": ["tests/test_preference.py"],
+    "preference_model": ["tests/test_preference.py"],
+    "rl_data": ["tests/test_rl.py"],
+    "rl_model": ["tests/test_rl.py"],
 }
 # outside train/: the name its tests import it by, and its file. Tests load a script or an example by
 # path under that name (test_sweep_inputs.py's sweep_script, conftest.example_file's <example>_<file>);
@@ -86,6 +99,17 @@ MODULES = {
 OUTSIDE = {
     "sweep": "scripts/sweep.py",
     "launch": "scripts/launch.py",
+    **{
+        f"{example}_{file}": f"examples/{example}/{file}.py"
+        for example in (
+            "chat_sft",
+            "text_classification",
+            "image_classification",
+            "preference",
+            "rl",
+        )
+        for file in ("data", "model")
+    },
 }
 # where the issue names part of a module, only these functions are mutated (mutmut's names: x_f for a
 # function, x\u01c1Class\u01c1method for a method); the rest of the module is reached end to end
