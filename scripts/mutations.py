@@ -1989,10 +1989,10 @@ BREAKS = (
     Break(
         "blind52: the sampling seed leaves out the step (every step draws the same random numbers)",
         "examples/rl/model.py",
-        "seed = rollout_seed(cfg.seed, generated_at, rank, index)",
-        "seed = rollout_seed(cfg.seed, 0, rank, index)",
+        "rollout_seed(cfg.seed, step, prompt, g)",
+        "rollout_seed(cfg.seed, 0, prompt, g)",
         (
-            "tests/test_rl.py::test_the_same_seed_step_and_rank_give_the_same_tokens_and_leave_the_rng_alone",
+            "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
             "tests/test_rl.py::test_updates_per_rollout_reuses_a_rollout_and_generates_at_its_steps",
         ),
     ),
@@ -2063,8 +2063,8 @@ BREAKS = (
     Break(
         "blind52: the eval samples (seed 0) instead of taking the greedy completion",
         "examples/rl/model.py",
-        "rl, seed=None)",
-        "rl, seed=0)",
+        "rl, seeds=None)",
+        'rl, seeds=[0] * batch["prompt_ids"].size(0))',
         (
             "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
         ),

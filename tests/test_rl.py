@@ -4,9 +4,13 @@ in float64, token by token, each sequence run alone (no padding); a step's loss 
 two ranks, weighed by the template's loss_weights, against the formula over the whole step; the
 advantages against each group's rewards worked out here from the decoded completions (statistics'
 mean and stdev); the log-probs recorded at generation against a forward of the same tokens by the
-policy as it is at that step (after an update, not before); the same (seed, step, rank) giving the
-same tokens; and each bad input's one line. No download: the tiny chat Llama of conftest."""
+policy as it is at that step (after an update, not before); the same (seed, step, prompt) giving the
+same tokens; each sampled token the argmax of its tempered, top_p-filtered log-probs plus Gumbel noise
+from its completion's own seed, both worked out here; a prompt's completions the same alone and at
+another row of a padded batch; Gumbel-max's frequencies against softmax(logits / temperature); and
+each bad input's one line. No download: the tiny chat Llama of conftest."""
 
+import hashlib
 import json
 import math
 import statistics
@@ -279,16 +283,18 @@ def test_a_step_over_micro_batches_and_ranks_is_the_formula_over_the_whole_step(
 SORTS = [("sort: river alpha", "alpha river"), ("sort: maple ocean ember", "ember maple ocean")]
 
 
-def prompt_batch(cfg, pairs=SORTS) -> dict:
-    """A micro-batch of prompts as the example's data.py makes it."""
+def prompt_batch(cfg, pairs=SORTS, indices=None) -> dict:
+    """A micro-batch of prompts as the example's data.py makes it, the pairs' prompt_index
+    `indices` (else 0, 1, ...: their places)."""
     data = example("data")
     from chat import chat_tokenizer
 
     tokenizer = chat_tokenizer(cfg)
+    indices = range(len(pairs)) if indices is None else indices
     rows = []
-    for prompt, answer in pairs:
+    for (prompt, answer), index in zip(pairs, indices, strict=True):
         row = data.prompt_row({"prompt": prompt, "answer": answer}, "by hand")
-        rows.append(data.encode_prompt(row, tokenizer))
+        rows.append({**data.encode_prompt(row, tokenizer), "prompt_index": index})
     return data.collate(rows)
 
 
@@ -434,23 +440,146 @@ def test_with_lora_the_reference_is_the_base_model_loaded_fresh_after_the_adapte
     assert moved > 1e-2  # the adapters changed the policy: a reference with them on would differ
 
 
-def test_the_same_seed_step_and_rank_give_the_same_tokens_and_leave_the_rng_alone(chat_llama):
+def test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone(chat_llama):
     rl_model = example("model")
     cfg = Cfg(hf_model=str(chat_llama), num_generations=4, max_new_tokens=8, temperature=1.0)
     model = rl_model.build_model(cfg)
-    micro = [prompt_batch(cfg), prompt_batch(cfg)]
+    # the same prompts twice: as the same rows of the split (indices 0, 1), then as other rows
+    micro = [prompt_batch(cfg), prompt_batch(cfg), prompt_batch(cfg, indices=[5, 6])]
     rng = torch.get_rng_state()
-    (a0, a1), _ = rl_model.rollout(model, micro, cfg, step=5)
+    (a0, a1, a2), _ = rl_model.rollout(model, micro, cfg, step=5)
     assert torch.equal(torch.get_rng_state(), rng)  # training's own draws (dropout) unchanged
     torch.manual_seed(99)  # whatever the global RNG holds
-    (b0, b1), _ = rl_model.rollout(model, micro, cfg, step=5)
-    (c0, _), _ = rl_model.rollout(model, micro, cfg, step=6)
+    (b0, _, b2), _ = rl_model.rollout(model, micro, cfg, step=5)
+    (c0, _, _), _ = rl_model.rollout(model, micro, cfg, step=6)
     assert torch.equal(a0["input_ids"], b0["input_ids"]) and torch.equal(
-        a1["input_ids"], b1["input_ids"]
+        a2["input_ids"], b2["input_ids"]
     )
-    # the micro-batch index and the step are in the seed: the same prompts, other tokens
-    assert not torch.equal(a0["input_ids"], a1["input_ids"])
+    # one row of the split twice in a step samples alike (the module docstring says so)
+    assert torch.equal(a0["input_ids"], a1["input_ids"])
+    # the prompt's index and the step are in the seed: the same prompts, other tokens
+    assert not torch.equal(a0["input_ids"], a2["input_ids"])
     assert not torch.equal(a0["input_ids"], c0["input_ids"])
+    # and the completion's place in its group: a group's completions differ
+    assert len({tuple(row) for row in a0["input_ids"][:4].tolist()}) > 1
+
+
+def completion_seed(seed: int, step: int, prompt: int, completion: int) -> int:
+    """A completion's sampling seed, as the module docstring defines it (rollout_seed), by hand."""
+    digest = hashlib.sha256(f"{seed}/{step}/{prompt}/{completion}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
+def top_p_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) over the smallest set of the likeliest tokens whose
+    probability reaches top_p (a token is kept while the mass before it is below top_p), -inf
+    elsewhere: by hand, in float64."""
+    probabilities = torch.softmax(logits.double() / temperature, dim=-1)
+    order = torch.argsort(probabilities, descending=True)
+    before = torch.cumsum(probabilities[order], dim=0) - probabilities[order]
+    kept = torch.zeros_like(probabilities, dtype=torch.bool)
+    kept[order[before < top_p]] = True
+    kept_logits = torch.where(kept, logits.double() / temperature, -math.inf)
+    return torch.log_softmax(kept_logits, dim=-1)
+
+
+def test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise(
+    chat_llama,
+):
+    """Completion g of prompt p at step s: its token t is argmax(log_softmax(top_p(logits /
+    temperature)) - log(-log U_t)), U_t the t-th torch.rand(vocab) of a generator seeded with
+    the completion's seed (sha256 of "seed/s/p/g", by hand), the logits by a forward of the row
+    alone (no padding, no cache), top_p by hand: every token of every completion."""
+    rl_model = example("model")
+    cfg = Cfg(
+        hf_model=str(chat_llama), num_generations=3, max_new_tokens=8, temperature=0.7, top_p=0.9
+    )
+    model = rl_model.build_model(cfg)
+    indices, step = [7, 3], 4
+    batch = prompt_batch(cfg, indices=indices)
+    (trained,), _ = rl_model.rollout(model, [batch], cfg, step=step)
+    width = batch["prompt_ids"].size(1)
+    excluded, checked = 0, 0
+    for row, (ids, mask) in enumerate(
+        zip(trained["input_ids"], trained["completion_mask"], strict=True)
+    ):
+        prompt, g = row // cfg.num_generations, row % cfg.num_generations
+        alone = batch["prompt_ids"][prompt][batch["prompt_mask"][prompt].bool()].tolist()
+        completion = ids[width:].tolist()
+        seed = completion_seed(cfg.seed, step, indices[prompt], g)
+        generator = torch.Generator().manual_seed(seed)
+        for t in range(int(mask.sum())):
+            with torch.no_grad():
+                sequence = torch.tensor([alone + completion[:t]])
+                logits = type(model).forward(model, input_ids=sequence).logits[0, -1].float()
+            log_probs = top_p_log_probs(logits, cfg.temperature, cfg.top_p)
+            uniforms = torch.rand(logits.size(-1), generator=generator)
+            gumbel = -torch.log(-torch.log(uniforms.double()))
+            assert completion[t] == int(torch.argmax(log_probs + gumbel)), (row, t)
+            excluded += int(torch.isinf(log_probs).sum())
+            checked += 1
+    assert checked > 2 * cfg.num_generations and excluded > 0  # top_p left tokens out
+
+
+# three prompts of different lengths: the middle one is left-padded in a batch of all three
+AROUND = [
+    ("sort: river alpha", "alpha river"),
+    ("sort: maple ocean ember tiger cloud lunar", "cloud ember lunar maple ocean tiger"),
+    ("sort: maple ocean ember", "ember maple ocean"),
+]
+
+
+def test_a_prompt_samples_the_same_tokens_alone_and_in_a_batch_at_another_row(chat_llama):
+    """Prompt 12 of the split, G = 4: alone (a batch of one, no padding) and as the third row of a
+    batch with a shorter and a longer prompt (left-padded), in the second micro-batch: the same
+    completions, token for token."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), num_generations=4, max_new_tokens=10, temperature=1.0)
+    model = rl_model.build_model(cfg)
+    step, groups = 3, cfg.num_generations
+    (alone,), _ = rl_model.rollout(model, [prompt_batch(cfg, AROUND[2:], [12])], cfg, step)
+    before = prompt_batch(cfg, SORTS, [40, 41])
+    batch = prompt_batch(cfg, AROUND, [30, 31, 12])
+    assert batch["prompt_mask"][2].min() == 0  # padded there
+    (_, among), _ = rl_model.rollout(model, [before, batch], cfg, step)
+
+    def completions(trained: dict, first_row: int) -> list[list[int]]:
+        width = trained["completion_mask"].size(1)
+        rows = []
+        for row in range(first_row, first_row + groups):
+            counted = int(trained["completion_mask"][row].sum())
+            rows.append(trained["input_ids"][row, -width:][:counted].tolist())
+        return rows
+
+    wanted = completions(alone, 0)
+    assert completions(among, 2 * groups) == wanted
+    assert len({tuple(tokens) for tokens in wanted}) > 1  # a group's completions differ
+    assert completions(among, 0) != wanted  # another prompt, other tokens
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.7)])
+def test_gumbel_max_samples_the_tempered_top_p_distribution(temperature, top_p):
+    """20000 rows of one 4-token logits vector, each its own seed: each token's count within 5
+    binomial standard deviations of softmax(logits / temperature) (renormalised over top_p's
+    tokens, by hand), a token top_p leaves out never; the next token (each row's second draw)
+    so too, and independent of the first: the share of rows drawing the same token twice is
+    sum p^2."""
+    rl_model = example("model")
+    logits = torch.tensor([2.0, 1.5, 0.8, -0.4])
+    expected = torch.exp(top_p_log_probs(logits, temperature, top_p))
+    if top_p < 1:  # probabilities 0.50, 0.30, 0.15, 0.05: 0.7 keeps the first two
+        assert expected[2:].tolist() == [0.0, 0.0] and expected[:2].min() > 0.3
+    rows = 20000
+    sampler = rl_model.GumbelSampler(range(1000, 1000 + rows), temperature, top_p)
+    scores = logits.repeat(rows, 1)
+    draws = [sampler(None, scores).argmax(-1) for _ in range(2)]
+    for tokens in draws:
+        counts = torch.bincount(tokens, minlength=4).double()
+        bound = 5 * torch.sqrt(rows * expected * (1 - expected))
+        assert torch.all((counts - rows * expected).abs() <= bound), (counts, rows * expected)
+    same = (draws[0] == draws[1]).double().mean().item()
+    p_same = float((expected**2).sum())
+    assert abs(same - p_same) <= 5 * math.sqrt(p_same * (1 - p_same) / rows), (same, p_same)
 
 
 @pytest.mark.parametrize("rl_loss", ["grpo", "dapo", "dr_grpo"])

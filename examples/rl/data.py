@@ -20,9 +20,14 @@ A split named validation or test (or dataset_split's sibling) is the eval set, e
 the prompts, held out with a fixed seed; the start-up says which.
 
 collate pads a batch's prompts on the left (generation continues each from its last token):
-prompt_ids and prompt_mask, (prompts, longest); and answer_bytes, each answer's UTF-8 bytes padded
-with -1, (prompts, longest answer): the template moves a batch's tensors to the device, and the
-rewards read the answers back as text.
+prompt_ids and prompt_mask, (prompts, longest); answer_bytes, each answer's UTF-8 bytes padded with
+-1, (prompts, longest answer): the template moves a batch's tensors to the device, and the rewards
+read the answers back as text; and prompt_index, (prompts,), each prompt's position in its split
+(0, 1, ... in the order read, after the eval set is held out): the prompt's identity, from which
+model.py seeds its completions (rollout_seed), so a prompt samples alike whatever rank, micro-batch
+or row it lands in. One row twice in one step would sample alike both times (the template's steps
+never hold a row twice: each is a slice of one epoch's permutation); two rows of the same text are
+two indices, sampled independently.
 
 Bad input is one line at start-up (check_config, before any process group): a dataset without an
 answer column or without a prompt or messages column (naming the columns there are), a chat that
@@ -46,7 +51,7 @@ from chat import (
 )
 from errors import ConfigError
 
-COLUMNS = ("prompt_ids", "answer_bytes")  # a row, tokenized
+COLUMNS = ("prompt_ids", "answer_bytes", "prompt_index")  # a row, tokenized
 
 
 def check_config(cfg) -> None:
@@ -81,14 +86,15 @@ def check_room(cfg, *parts) -> None:
 
 
 def build_datasets(cfg):
-    """(train, eval): map-style datasets of prompts, each {prompt_ids, answer_bytes}, unpadded."""
+    """(train, eval): map-style datasets of prompts, each {prompt_ids, answer_bytes, prompt_index},
+    unpadded."""
     train, held_out = tokenized(prompts_key(cfg))
     return train.rows, held_out.rows
 
 
 def collate(samples: list[dict]) -> dict:
-    """The rollout's keyword arguments: prompt_ids left-padded with 0 (prompt_mask 0 there) and
-    answer_bytes right-padded with -1."""
+    """The rollout's keyword arguments: prompt_ids left-padded with 0 (prompt_mask 0 there),
+    answer_bytes right-padded with -1, and each prompt's prompt_index."""
     longest = max(len(sample["prompt_ids"]) for sample in samples)
     longest_answer = max(len(sample["answer_bytes"]) for sample in samples)
     ids, mask, answers = [], [], []
@@ -104,6 +110,7 @@ def collate(samples: list[dict]) -> dict:
         "prompt_ids": torch.stack(ids),
         "prompt_mask": torch.stack(mask),
         "answer_bytes": torch.stack(answers),
+        "prompt_index": torch.tensor([int(sample["prompt_index"]) for sample in samples]),
     }
 
 
@@ -134,7 +141,7 @@ def prompts_key(cfg) -> tuple:
 @functools.cache
 def tokenized(key: tuple) -> tuple[Part, Part]:
     """(train, eval) Parts: each prompt through the chat template with the generation prompt, each
-    answer as UTF-8 bytes."""
+    answer as UTF-8 bytes, each row's position in its split as its prompt_index."""
     cfg = Key(*key)
     train, held_out = train_and_eval(load_prompts(cfg), cfg, "prompt")
     tokenizer = chat_tokenizer(cfg)
@@ -145,6 +152,7 @@ def tokenized(key: tuple) -> tuple[Part, Part]:
             fn_kwargs={"tokenizer": tokenizer},
             desc=f"tokenizing {name} prompts",
         )
+        rows = rows.add_column("prompt_index", list(range(len(rows))))
         lengths = [
             (len(ids), where) for ids, where in zip(rows["prompt_ids"], rows["where"], strict=True)
         ]

@@ -9,10 +9,11 @@ The step (the template's loop calls `rollout` between fetching the step's micro-
 and counting their items, task.py; then the forward below on each micro-batch it returns):
 
     rollout    no grad, eval mode: for each micro-batch of B prompts, G completions each, sampled
-               with transformers' generate (--temperature, --top_p, --max_new_tokens); each token's
-               log-prob at generation (log_softmax(logits / temperature), as TRL scores them),
-               recorded while generate runs. The rewards: r = sum_k w_k f_k(completion, answer) over
-               --reward_weights (name:weight, the functions below). The advantage of completion i of
+               with transformers' generate (--temperature, --top_p, --max_new_tokens; each row's
+               own noise, GumbelSampler); each token's log-prob at generation (log_softmax(logits /
+               temperature), as TRL scores them), recorded while generate runs. The rewards:
+               r = sum_k w_k f_k(completion, answer) over --reward_weights (name:weight, the
+               functions below). The advantage of completion i of
                prompt g (--scale_rewards; TRL's GRPOTrainer, eps = 1e-4):
                    group  A_i = (r_i - mean_g r) / (std_g r + eps)     (GRPO, Shao et al. 2024,
                                                                        DeepSeekMath, arXiv:2402.03300)
@@ -44,10 +45,15 @@ and counting their items, task.py; then the forward below on each micro-batch it
                tokens; dr_grpo: its token sum / (max_new_tokens x its completions)), and
                loss_items counts completions (grpo, dr_grpo) or tokens (dapo).
 
-Sampling is reproducible without any state in the checkpoint: each micro-batch's generation draws from
-the global RNG seeded (and restored after) from (seed, step, rank, micro-batch index), the step being
-the template's count of optimizer steps, which a resume restores. So a resume at the same world size
-generates the same tokens; at another world size, other ones (the rank is in the seed).
+Sampling is reproducible without any state in the checkpoint, and does not depend on the layout:
+completion g of a prompt draws its noise from its own generator, seeded with rollout_seed(seed,
+step, the prompt's index in its split, g) (GumbelSampler: Gumbel-max over the tempered, top_p-
+filtered log-probs), the step being the template's count of optimizer steps, which a resume
+restores; the global RNG is never drawn from. So a prompt at a step samples the same tokens at any
+world size, per-device batch and accumulation, whatever row and micro-batch it lands in, to the
+rounding of the logits (a batch of other shapes rounds its matmuls otherwise: a token whose two best
+noisy scores tie to that rounding may differ); a resume, on the same or another number of processes,
+samples the same tokens. Two copies of one prompt (the same index) in one step would sample alike.
 --updates_per_rollout U > 1 generates at every U-th step and trains the next U - 1 steps on the same
 completions (their old log-probs and advantages fixed at generation; the prompts fetched at those steps
 are not used), as TRL's num_iterations does. That rollout is kept in memory, not in the checkpoint: a
@@ -344,9 +350,9 @@ def token_logps(forward, batch: dict, cfg) -> torch.Tensor:
 
 class GenerationLogps:
     """A logits processor that changes nothing and records each sampled token's log-prob: at each
-    step, the tempered log_softmax of the raw logits (it runs before generate's temperature and
-    top_p, which follow the processors passed in), gathered at the token sampled from it when the
-    next step shows it (finish: the last one)."""
+    step, the tempered log_softmax of the raw logits (it runs before GumbelSampler, which applies
+    top_p), gathered at the token sampled from it when the next step shows it (finish: the last
+    one)."""
 
     def __init__(self, temperature: float):
         self.temperature = temperature
@@ -365,23 +371,75 @@ class GenerationLogps:
         return torch.stack(self.logps, dim=1)
 
 
-def generate(model, prompt_ids, prompt_mask, rl, seed: int | None) -> dict:
-    """Completions of the prompts (one each; repeat them for groups): sampled with the run's
-    temperature and top_p from the RNG seeded with `seed`, or greedy (seed None). {"completion":
-    (rows, tokens), "mask": what counts of each (up to and with its end of turn), "logps": each
-    sampled token's log-prob at generation (sampled only), "answers", "prompts": text}."""
+class GumbelSampler:
+    """The last logits processor of a sampled generate, which then decodes greedily (the argmax of
+    what this returns): row r's token at step t is
+
+        argmax_v [ log_softmax(top_p(logits_t / temperature))_v + G_rtv ],  G_rtv = -log(-log U_rtv)
+
+    U_rt the t-th torch.rand(vocab) of row r's own torch.Generator (on the scores' device), seeded
+    with seeds[r]; top_p as transformers' TopPLogitsWarper (the least likely tokens whose total is
+    at most 1 - top_p get -inf). The argmax of log-probs plus independent Gumbel(0, 1) noise is an
+    exact sample of that distribution (the Gumbel-max trick; Maddison, Tarlow, Minka 2014, A*
+    sampling), so this samples what generate's temperature, top_p and multinomial sampled before
+    (U's 24 bits cap G at 16.6: a bias below 1e-7). Each call draws one vector per row from the
+    row's generator alone: a row's t-th token uses its t-th draw whatever rows sit beside it, their
+    padding or the batch's size. Cost: one draw of the vocabulary per row per token (on a GPU, a
+    small kernel each)."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.seeds = list(seeds)
+        self.temperature = temperature
+        self.top_p = top_p
+        self.generators = None
+
+    def __call__(self, input_ids, scores):
+        if self.generators is None:  # on the device of the scores, at the first token
+            self.generators = [
+                torch.Generator(device=scores.device).manual_seed(seed) for seed in self.seeds
+            ]
+        if len(self.generators) != scores.size(0):
+            raise RuntimeError(f"{scores.size(0)} rows to sample, {len(self.generators)} seeds")
+        uniforms = torch.stack(
+            [
+                torch.rand(scores.size(-1), generator=generator, device=scores.device)
+                for generator in self.generators
+            ]
+        )
+        return self.log_probs(scores) - torch.log(-torch.log(uniforms))
+
+    def log_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """log_softmax(top_p(scores / temperature)) in fp32 at least: what the noise is added to."""
+        from transformers import TopPLogitsWarper
+
+        tempered = scores.to(torch.promote_types(scores.dtype, torch.float32)) / self.temperature
+        if self.top_p < 1:
+            tempered = TopPLogitsWarper(self.top_p)(None, tempered)
+        return tempered.log_softmax(-1)
+
+
+def generate(model, prompt_ids, prompt_mask, rl, seeds: list[int] | None = None) -> dict:
+    """Completions of the prompts (one each; repeat them for groups): row r sampled with the run's
+    temperature and top_p from its own seed, seeds[r] (GumbelSampler), or greedy (seeds None).
+    Either way generate decodes greedily (do_sample False): the sampling is the processors'.
+    {"completion": (rows, tokens), "mask": what counts of each (up to and with its end of turn),
+    "logps": each sampled token's log-prob at generation (sampled only), "prompt_ids",
+    "prompt_mask"}."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     cfg = rl.cfg
-    sampled = seed is not None
+    sampled = seeds is not None
     recorder = GenerationLogps(cfg.temperature)
+    processors = []
+    if sampled:
+        processors = [recorder, GumbelSampler(seeds, cfg.temperature, cfg.top_p)]
     config = GenerationConfig(
         max_new_tokens=cfg.max_new_tokens,
-        do_sample=sampled,
+        do_sample=False,
         # every other knob neutral: the model's own generation_config fills only what is unset
-        temperature=cfg.temperature if sampled else 1.0,
-        top_p=cfg.top_p if sampled else 1.0,
-        top_k=0 if sampled else None,  # None: greedy (0 would be a flag greedy warns about)
+        temperature=1.0,
+        top_p=1.0,
+        top_k=None,  # None: greedy (0 would be a flag greedy warns about)
         min_p=None,
         typical_p=1.0,
         repetition_penalty=1.0,
@@ -390,13 +448,13 @@ def generate(model, prompt_ids, prompt_mask, rl, seed: int | None) -> dict:
         pad_token_id=rl.pad_id,
         use_cache=True,
     )
-    with seeded(seed, prompt_ids.device), without_model_defaults(model):
+    with without_model_defaults(model):
         output = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
             generation_config=config,
-            logits_processor=LogitsProcessorList([recorder] if sampled else []),
+            logits_processor=LogitsProcessorList(processors),
             synced_gpus=sharded(model),
         )
     completion = output[:, prompt_ids.size(1) :]
@@ -415,21 +473,6 @@ def up_to_the_end(completion: torch.Tensor, ends: list[int]) -> torch.Tensor:
     is_end = torch.isin(completion, torch.tensor(ends, device=completion.device)).long()
     ended_before = is_end.cumsum(-1) - is_end
     return (ended_before == 0).long()
-
-
-@contextmanager
-def seeded(seed: int | None, device: torch.device):
-    """The global RNG (CPU, and this device's) seeded with `seed` within, and as it was after:
-    generate samples from it. None: nothing (greedy draws nothing)."""
-    if seed is None:
-        yield
-        return
-    devices = []
-    if device.type == "cuda":
-        devices = [device.index if device.index is not None else torch.cuda.current_device()]
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 @contextmanager
@@ -454,9 +497,13 @@ def sharded(model) -> bool:
     return isinstance(model, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def rollout_seed(seed: int, step: int, rank: int, index: int) -> int:
-    """The sampling seed of a micro-batch: a function of (seed, step, rank, micro-batch index)."""
-    text = f"{seed}/{step}/{rank}/{index}".encode()
+def rollout_seed(seed: int, step: int, prompt: int, completion: int) -> int:
+    """The sampling seed of one completion: the first 8 bytes (little-endian) of
+    sha256("{seed}/{step}/{prompt}/{completion}"), mod 2^63; `prompt` the prompt's index in its
+    split (data.py's prompt_index), `completion` its place g in the prompt's group (0 to G - 1).
+    Nothing of the layout (rank, micro-batch, row): a prompt samples the same completions at any
+    world size, batch size and accumulation."""
+    text = f"{seed}/{step}/{prompt}/{completion}".encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") % 2**63
 
 
@@ -535,12 +582,10 @@ def rollout(model, micro_batches: list[dict], cfg, step: int) -> tuple[list[dict
     if rl.cached is not None and rl.cached[0] == generated_at:
         return rl.cached[1], rl.cached[2]
     started = time.perf_counter()
-    rank = dist.get_rank() if dist.is_initialized() else 0
     groups = []
     with torch.no_grad(), evaluated(policy):
-        for index, batch in enumerate(micro_batches):
-            seed = rollout_seed(cfg.seed, generated_at, rank, index)
-            groups.append(sample_groups(policy, batch, rl, seed))
+        for batch in micro_batches:
+            groups.append(sample_groups(policy, batch, rl, generated_at))
         generation_s = time.perf_counter() - started
         for group in groups:
             group["scores"] = score(rl, group)
@@ -564,13 +609,20 @@ def unwrapped(model) -> nn.Module:
         model = inner
 
 
-def sample_groups(policy, batch: dict, rl, seed: int) -> dict:
+def sample_groups(policy, batch: dict, rl, step: int) -> dict:
     """G completions of each prompt of a micro-batch: rows prompt-major (prompt p's are rows p G to
-    p G + G - 1)."""
-    groups = rl.cfg.num_generations
+    p G + G - 1), completion g of prompt p sampled from rollout_seed(seed, step, its prompt_index,
+    g): the same tokens wherever the prompt sits (rank, micro-batch, row)."""
+    cfg = rl.cfg
+    groups = cfg.num_generations
     prompt_ids = batch["prompt_ids"].repeat_interleave(groups, dim=0)
     prompt_mask = batch["prompt_mask"].repeat_interleave(groups, dim=0)
-    generated = generate(policy, prompt_ids, prompt_mask, rl, seed)
+    seeds = [
+        rollout_seed(cfg.seed, step, prompt, g)
+        for prompt in batch["prompt_index"].tolist()
+        for g in range(groups)
+    ]
+    generated = generate(policy, prompt_ids, prompt_mask, rl, seeds)
     generated["answer_bytes"] = batch["answer_bytes"]
     return generated
 
