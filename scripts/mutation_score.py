@@ -58,7 +58,12 @@ MODULES = {
     "lm": ["tests/test_lm.py", "tests/test_model.py", "tests/test_hugging_face.py"],
     "checks": ["tests/test_hugging_face.py", "tests/test_config.py"],
     "hangs": ["tests/test_hang_watch.py"],
-    "run_folder": ["tests/test_saving.py", "tests/test_storage.py", "tests/test_checkpoint.py"],
+    "run_folder": [
+        "tests/test_run_folder.py",
+        "tests/test_saving.py",
+        "tests/test_storage.py",
+        "tests/test_checkpoint.py",
+    ],
     "blocks": [
         "tests/test_sharding.py",
         "tests/test_model.py",
