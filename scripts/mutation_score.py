@@ -56,7 +56,12 @@ MODULES = {
     "profiling": ["tests/test_profiling.py"],
     "adapters": ["tests/test_adapters.py", "tests/test_preference.py"],
     "lm": ["tests/test_lm.py", "tests/test_model.py", "tests/test_hugging_face.py"],
-    "checks": ["tests/test_hugging_face.py", "tests/test_config.py"],
+    "checks": [
+        "tests/test_checks.py",
+        "tests/test_hugging_face.py",
+        "tests/test_config.py",
+        "tests/test_profiling.py",  # check_devices
+    ],
     "hangs": ["tests/test_hang_watch.py"],
     "run_folder": [
         "tests/test_run_folder.py",
