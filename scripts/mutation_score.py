@@ -75,7 +75,7 @@ MODULES = {
         "tests/test_lm.py",
         "tests/test_tracking.py",  # flops_per_token
     ],
-    "plumbing": ["tests/test_plumbing.py", "tests/test_engines.py"],
+    "plumbing": ["tests/test_plumbing.py", "tests/test_sharding.py", "tests/test_engines.py"],
     "chat": [
         "tests/test_example_data.py",
         "tests/test_preference.py",

@@ -119,3 +119,108 @@ def test_gather_for_metrics_takes_nested_data_and_keeps_no_state():
     assert [k.tolist() for k in kept] == [[0.0, 1.0], [4.0]]
     # outside the last batch: all
     assert torch.equal(plumbing.gather_for_metrics(torch.ones(2)), torch.ones(2))
+
+
+# ---------------------------------------------------------------- what both plumbings stand on
+
+
+class Voting:
+    """A plumbing whose all-reduce adds `others` (the failures the other processes report) to this
+    process's, and records what it was asked."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, others: int):
+        self.others, self.asked = others, []
+
+    def reduce(self, tensor, reduction):
+        self.asked.append((tensor.item(), tensor.device, reduction))
+        return tensor + self.others
+
+
+def test_collectively_returns_fn_s_value_when_every_process_succeeded():
+    from plumbing import collectively
+
+    voting = Voting(others=0)
+    failures = []
+    assert collectively(voting, "saving", lambda: 5, on_failure=lambda: failures.append(1)) == 5
+    assert voting.asked == [(0.0, torch.device("cpu"), "sum")] and failures == []
+
+
+def test_collectively_raises_on_every_process_when_one_failed():
+    from errors import ConfigError, RunError
+    from plumbing import collectively
+
+    def disk_full():
+        raise OSError("disk full\nthe rest of the message")
+
+    failures = []
+    with pytest.raises(RunError) as here:
+        collectively(Voting(0), "saving", disk_full, on_failure=lambda: failures.append(1))
+    assert str(here.value) == "saving: disk full" and failures == [1]
+    voting = Voting(others=1)  # this process succeeded, another one did not
+    with pytest.raises(RunError) as elsewhere:
+        collectively(voting, "saving", lambda: 5, on_failure=lambda: failures.append(2))
+    assert str(elsewhere.value) == "saving failed on another process" and failures == [1, 2]
+    assert voting.asked == [(0.0, torch.device("cpu"), "sum")]
+    with pytest.raises(ConfigError) as typed:
+        collectively(Voting(1), "reading", lambda: 5, error_type=ConfigError)
+    assert str(typed.value) == "reading failed on another process"
+    refused = ConfigError("output_dir is in use")
+
+    def refuse():
+        raise refused
+
+    with pytest.raises(ConfigError) as same:  # already of the type asked: raised as it is
+        collectively(Voting(0), "locking", refuse, error_type=ConfigError)
+    assert same.value is refused
+    voting = Voting(0)
+    with pytest.raises(RunError):
+        collectively(voting, "saving", disk_full)
+    assert voting.asked == [(1.0, torch.device("cpu"), "sum")]  # this process's failure, counted
+
+
+def test_the_writer_is_the_main_process_or_each_node_s_first():
+    from types import SimpleNamespace
+
+    from plumbing import is_writer
+
+    local_first = SimpleNamespace(is_main_process=False, is_local_main_process=True)
+    assert is_writer(local_first, shared_filesystem=True) is False
+    assert is_writer(local_first, shared_filesystem=False) is True
+    main = SimpleNamespace(is_main_process=True, is_local_main_process=False)
+    assert is_writer(main, shared_filesystem=True) is True
+
+
+def test_a_world_the_launcher_did_not_start_is_refused_in_one_line(monkeypatch):
+    from errors import ConfigError
+    from plumbing import check_world_size
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    check_world_size(1)
+    with pytest.raises(ConfigError) as refused:
+        check_world_size(2)
+    assert str(refused.value) == (
+        "the launcher started 1 processes but this one sees a world of 2: they would train "
+        "independently and overwrite each other's files"
+    )
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_world_size(4)
+    with pytest.raises(
+        ConfigError, match=r"^the launcher started 4 processes but this one sees a "
+    ):
+        check_world_size(1)
+
+
+def test_the_process_group_is_destroyed_after_a_pause_and_only_when_there_is_one(monkeypatch):
+    import plumbing
+
+    happened = []
+    monkeypatch.setattr(plumbing.time, "sleep", lambda seconds: happened.append(seconds))
+    monkeypatch.setattr(plumbing.dist, "destroy_process_group", lambda: happened.append("destroy"))
+    monkeypatch.setattr(plumbing.dist, "is_initialized", lambda: False)
+    plumbing.close_process_group()
+    assert happened == []
+    monkeypatch.setattr(plumbing.dist, "is_initialized", lambda: True)
+    plumbing.close_process_group()
+    assert happened == [0.05, "destroy"]
