@@ -4,6 +4,7 @@ import json
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import hangs
@@ -248,3 +249,216 @@ def test_nccl_s_watchdog_timeout_is_a_timeout_not_a_lost_peer():
         "a collective in backward (step 7) timed out (step_timeout_s 600) on rank(s) 0: "
         "rank 1 did not arrive: it was in data (step 7) (each rank's note and stack: runs/x/hangs)"
     )
+
+
+# ---------------------------------------------------------------- the watch's own pieces, one by one
+
+
+def test_a_watch_starts_noting_start_up_and_alone_it_shares_nothing(monkeypatch):
+    import os
+    import socket
+
+    monkeypatch.setattr(hangs, "_watch", None)
+    watch = watch_of(1, {}, rank=0)
+    assert watch.note == {
+        "rank": 0,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "step": 0,
+        "phase": "start-up",
+    }
+    assert (watch.store, watch.listener, watch.training, watch.completed) == (None, None, False, 0)
+    assert watch.alone_s == {"data": 0.0, "forward": 0.0}
+    assert hangs._watch is watch
+    assert watch.stragglers() == {}  # one process: no table
+    watch.stop()  # no listener: nothing to stop
+
+
+def test_without_a_watch_or_its_store_nothing_is_explained_and_saves_wait_as_they_are(monkeypatch):
+    monkeypatch.setattr(hangs, "_watch", None)
+    assert hangs.explain(RuntimeError("Timed out")) is None
+    with hangs.patiently("a checkpoint save"):
+        pass
+    hangs.stop_watching()
+    watch = watch_of(2, {})  # no process group: no store
+    monkeypatch.setattr(hangs, "_watch", watch)
+    assert hangs.explain(RuntimeError("Timed out")) is None
+
+
+def test_without_a_store_the_steps_keep_the_timeout_they_have(monkeypatch):
+    set_to = []
+    monkeypatch.setattr(hangs, "set_collective_timeout", set_to.append)
+    watch = watch_of(2, {})
+    watch.step_done(1)
+    with watch.patient("the export"):
+        assert watch.note["phase"] == "the export"
+    assert (
+        set_to == []
+        and watch.training
+        and watch.note["phase"] == ("the end of the step (logging votes, eval, checkpoint)")
+    )
+    watch = watch_of(2, {})
+    watch.store = object()
+    with watch.patient("a checkpoint save"):  # before the first step: start-up's timeout stays
+        pass
+    assert set_to == []
+
+
+def test_timed_out_reads_any_case_and_the_line_when_every_rank_was_waiting():
+    assert hangs.timed_out(RuntimeError("Socket TIMEOUT after 60 s"))
+    assert not hangs.timed_out(None)
+    notes = {
+        rank: {"phase": "backward", "step": 2, "waiting_in_a_collective": True} for rank in (0, 1)
+    }
+    watch = watch_of(2, notes, step_timeout_s=30)
+    assert hangs.describe(watch, RuntimeError("timed out")) == (
+        "a collective in backward (step 2) timed out (step_timeout_s 30) on rank(s) 0, 1: every rank "
+        "was waiting (each rank's note and stack: runs/x/hangs)"
+    )
+    # nobody's note came back: this rank, where it is, is the one named waiting
+    alone = watch_of(3, {}, rank=2)
+    alone.note.update(step=5, phase="forward")
+    assert hangs.describe(alone, RuntimeError("Connection closed by peer")) == (
+        "a collective in forward (step 5) failed on rank(s) 2: rank(s) 0, 1, 2 lost (gone without "
+        "a word: killed, or their node down) (each rank's note and stack: runs/x/hangs)"
+    )
+    everyone = watch_of(1, {0: {"phase": "data", "step": 1, "waiting_in_a_collective": True}})
+    assert "rank(s) none lost" in hangs.describe(everyone, RuntimeError("Connection reset"))
+
+
+def test_a_note_is_written_even_when_the_store_is_gone(tmp_path):
+    watch = hangs.Watch(
+        SimpleNamespace(process_index=1, num_processes=2, device="cpu"),
+        RunConfig(output_dir=str(tmp_path / "run")),
+    )
+    watch.store = Store()
+    watch.store.gone = True
+    watch.publish({"rank": 1, "phase": "data"})
+    assert watch.store_gone
+    assert (tmp_path / "run" / "hangs" / "rank1.json").read_text() == (
+        '{\n  "rank": 1,\n  "phase": "data"\n}\n'
+    )
+    assert watch.notes() == {}  # asking a store that is gone: what this rank knows, nothing
+
+
+def test_the_notes_are_those_published_and_the_line_is_claimed_once(monkeypatch):
+    monkeypatch.setattr(hangs, "ANSWER_WAIT_S", 0.05)
+    watch = watch_of(3, {})
+    del watch.notes  # the real one
+    watch.store = Store()
+    watch.store.set("note/0", json.dumps({"step": 1}))
+    watch.store.set("note/2", json.dumps({"step": 2}))
+    assert watch.notes() == {0: {"step": 1}, 2: {"step": 2}}
+    assert watch.claims_the_line() is True
+    assert watch.claims_the_line() is False  # the second to ask
+    watch.store.gone = True
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert watch.claims_the_line() is False and watch.store_gone
+    monkeypatch.delenv("LOCAL_RANK")
+    assert watch.claims_the_line() is True  # no LOCAL_RANK: this process is its node's first
+
+
+def test_the_first_data_batch_of_a_start_is_timed_as_the_data_position(monkeypatch):
+    from profiling import start_clock
+
+    phases = []
+    monkeypatch.setattr(start_clock, "phase", lambda name: phases.append(name) or _nothing())
+    watch = watch_of(2, {})
+    with watch.timed("data"):
+        pass
+    watch.step_done(1)
+    with watch.timed("data"):
+        pass
+    assert phases == ["data position"]
+    assert (watch.note["step"], watch.note["phase"]) == (2, "data")  # step 1 done: step 2's data
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Exited(Exception):
+    pass
+
+
+def test_a_rank_woken_by_the_alarm_publishes_where_it_is_and_ends_its_process(
+    tmp_path, monkeypatch
+):
+    """The listening thread's work, run here: the alarm is in the store, so this rank publishes its
+    note (not waiting in a collective, with its main thread's stack), waits SILENT_WAIT_S while the
+    line is said, and exits 1."""
+    store = Store()
+    store.set("alarm", "0")
+    monkeypatch.setattr(hangs, "job_store", lambda timeout_s: store)
+    waited, exits = [], []
+    monkeypatch.setattr(hangs.time, "sleep", waited.append)
+
+    def exit_(code):
+        exits.append(code)
+        raise Exited
+
+    monkeypatch.setattr(hangs.os, "_exit", exit_)
+    watch = hangs.Watch(
+        SimpleNamespace(process_index=1, num_processes=2, device="cpu"),
+        RunConfig(output_dir=str(tmp_path)),
+    )
+    watch.store = store
+    watch.at("forward")
+    with pytest.raises(Exited):
+        watch._answer_alarm()
+    assert waited == [hangs.SILENT_WAIT_S] == [15.0] and exits == [1]
+    note = json.loads(store.values["note/1"])
+    assert note["phase"] == "forward" and note["waiting_in_a_collective"] is False
+    assert any("test_a_rank_woken_by_the_alarm" in frame for frame in note["stack"])
+    assert len(note["stack"]) <= 12
+    # the main thread saw the failure first: it has it in hand, the thread says nothing
+    del store.values["note/1"]
+    watch.saw_failure = True
+    watch._answer_alarm()
+    assert "note/1" not in store.values and exits == [1]
+
+
+def test_the_listening_thread_ends_with_the_job_or_its_store(monkeypatch):
+    store = Store()  # no alarm
+    monkeypatch.setattr(hangs, "job_store", lambda timeout_s: store)
+    watch = watch_of(2, {})
+    watch.closed.set()  # the job is ending
+    watch._answer_alarm()
+    store.gone = True
+    watch.closed.clear()
+    watch._answer_alarm()  # the store went with the job: nothing raised
+    assert "note/0" not in store.values
+
+
+def test_the_job_s_store_is_asked_as_a_client_under_this_attempt_s_prefix(monkeypatch):
+    from datetime import timedelta
+
+    made = {}
+
+    def tcp_store(host, port, **options):
+        made.update(host=host, port=port, **options)
+        return "the store"
+
+    monkeypatch.setattr(hangs.dist, "TCPStore", tcp_store)
+    monkeypatch.setattr(hangs.dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert hangs.job_store(90) == ("attempt_2/hangs", "the store")
+    assert made == {
+        "host": "10.0.0.1",
+        "port": 29500,
+        "is_master": False,
+        "timeout": timedelta(seconds=90),
+        "wait_for_workers": False,
+    }
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert hangs.job_store(90)[0] == "attempt_0/hangs"
+    set_to = []
+    monkeypatch.setattr(hangs.dist.distributed_c10d, "_set_pg_timeout", set_to.append)
+    hangs.set_collective_timeout(60)
+    assert set_to == [timedelta(seconds=60)]
