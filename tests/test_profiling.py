@@ -287,3 +287,91 @@ sys.exit(0)
     assert trace.exists(), sorted(p.name for p in (tmp_path / "profile").iterdir())
     # and the span of step 5, begun when the process stopped
     assert spans_of(trace) == ["train step 3", "train step 4", "train step 5"]
+
+
+def test_the_process_s_start_is_worked_out_from_its_start_ticks_and_the_uptime(monkeypatch):
+    """By hand, from /proc as Linux writes it (a process name may hold ") " itself; field 22 is the
+    start in clock ticks since boot): started 5000 ticks at 100 a second = 50 s after boot, the machine
+    up 100.5 s at time 1000.0: started at 1000.0 - (100.5 - 50) = 949.5. Unreadable: now."""
+    import profiling
+
+    fields = ["S", *[str(n) for n in range(1, 19)], "5000", "77", "88"]  # 19 after the state: 5000
+    proc = {
+        "/proc/self/stat": f"1234 (a) b) {' '.join(fields)}\n",
+        "/proc/uptime": "100.50 380.25\n",
+    }
+
+    class Proc:
+        def __init__(self, path):
+            self.path = path
+
+        def read_text(self):
+            if self.path not in proc:
+                raise FileNotFoundError(self.path)
+            return proc[self.path]
+
+    monkeypatch.setattr(profiling, "Path", Proc)
+    monkeypatch.setattr(profiling.os, "sysconf", {"SC_CLK_TCK": 100}.__getitem__)
+    monkeypatch.setattr(profiling.time, "time", lambda: 1000.0)
+    assert profiling.process_started() == 949.5
+    clock = StartClock()
+    assert clock.begun == clock.last_lap == 949.5
+    proc.clear()
+    assert profiling.process_started() == 1000.0
+
+
+def test_the_clock_rounds_to_milliseconds_adds_a_phase_met_twice_and_floors_at_zero(monkeypatch):
+    import profiling
+
+    clock = StartClock()
+    clock.begun = 1000.0 - 10.123456
+    clock.last_lap = 1000.0
+    monkeypatch.setattr(profiling.time, "time", lambda: 1000.0)
+    clock._add("data", 1.0)
+    clock._add("data", 0.2345678)  # met twice: one figure
+    clock._add("clock skew", -1.0)  # a negative interval counts as none
+    row = clock.finish({"start": 2})
+    assert row == {
+        "start": 2,
+        "start_s": 10.123,
+        "start_data_s": 1.235,
+        "start_clock_skew_s": 0.0,
+        "start_first_step_s": 0.0,
+    }
+
+
+def test_a_phase_of_exactly_0_05_s_is_said_and_one_under_it_is_not():
+    row = {"start": 1, "resumed_from_step": 0, "steps_lost": 0, "start_s": 2.0}
+    row |= {"start_data_s": 0.05, "start_model_s": 0.049, "start_first_step_s": 1.0}
+    assert restart_line(row) == "start 1: 2.0 s to the first step (data 0.1 s, first step 1.0 s)"
+
+
+def test_the_window_s_order_and_max_steps_refusals_are_whole_lines_and_max_steps_may_start_it():
+    for bad, problem in (
+        ("5:3", "needs 1 <= START <= END"),
+        ("0:2", "needs 1 <= START <= END"),
+        ("301:302", "starts after max_steps (300): the window would never open"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            profile_window(RunConfig(profile_steps=bad, max_steps=300))
+        assert str(refused.value) == f"profile_steps {problem} (got {bad!r})"
+    assert profile_window(RunConfig(profile_steps="300:300", max_steps=300)) == (300, 300)
+
+
+def test_a_run_resumed_two_steps_before_the_window_opens_it_after_the_next_step(tmp_path):
+    """Resumed from step 1 with --profile_steps 3:5: step 2 is not traced, the window opens after it."""
+    rank0 = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True)
+    out = tmp_path / "not" / "made" / "yet"  # the window makes its folders
+    cfg = RunConfig(output_dir=str(out), profile_steps="3:5", max_steps=8)
+    resumed = ProfilerWindow(cfg, rank0, resumed_step=1)
+    assert resumed.profiler is None
+    steps(resumed, 2, 8)
+    assert sorted(p.name for p in (out / "profile").iterdir()) == [
+        "rank0.profiler.log",
+        "rank0.steps_3-5.pt.trace.json",
+    ]
+    trace = out / "profile" / "rank0.steps_3-5.pt.trace.json"
+    assert spans_of(trace) == ["train step 3", "train step 4", "train step 5"]
+    # record_shapes: each operator's input sizes are in the trace
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("Input Dims" in event.get("args", {}) for event in events)
