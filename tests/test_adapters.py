@@ -446,3 +446,34 @@ def test_a_lora_run_says_its_trainable_parameters_at_start_up():
     assert [line for line in lines if line.startswith("trainable")] == [said]
     full = run_info_lines(run_info(RunConfig(**GPT), plumbing, task.build_model(cfg), data))
     assert not [line for line in full if "trainable" in line]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+
+class Blocks(nn.Module):
+    """Two blocks (FSDP's units) and four linear layers outside them."""
+
+    _no_split_modules = ["Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head, self.stem, self.tail, self.neck = (nn.Linear(2, 2) for _ in range(4))
+
+
+def test_under_fsdp_adapters_outside_the_blocks_are_one_whole_line_naming_three():
+    from adapters import check_targets_under_fsdp
+
+    model = Blocks()
+    check_targets_under_fsdp(model, ["blocks.0.fc", "blocks.1.fc"])
+    targets = ["blocks.0.fc", "head", "stem", "blocks.1.fc", "tail", "neck"]
+    with pytest.raises(ConfigError) as refused:
+        check_targets_under_fsdp(model, targets)
+    assert str(refused.value) == (
+        "lora_targets: under fsdp, adapters go in the transformer blocks only (FSDP's units); "
+        "head, stem, tail is outside them (got blocks.0.fc, head, stem...)"
+    )
