@@ -462,3 +462,93 @@ def test_generate_columns_that_take_other_arguments_is_one_line_at_start_up(monk
         "train/model.py: generate_columns must take (model, batch, cfg) and return "
         '{name: tensor of shape (batch,)} (README "Make it yours"; examples/rl has one)'
     )
+
+
+# ---------------------------------------------------------------- the start-up checks' whole lines
+
+
+def test_the_fork_s_settings_are_the_dataclasses_its_files_define(monkeypatch):
+    class ModelConfig:
+        pass
+
+    class DataConfig:
+        pass
+
+    files = {
+        "model": types.SimpleNamespace(ModelConfig=ModelConfig),
+        "data": types.SimpleNamespace(Other=DataConfig),
+    }
+    monkeypatch.setattr(task, "fork_file", files.__getitem__)
+    assert task.fork_settings() == {"model": ModelConfig}
+    files["data"] = types.SimpleNamespace(DataConfig=DataConfig)
+    assert task.fork_settings() == {"model": ModelConfig, "data": DataConfig}
+    files["model"] = types.SimpleNamespace()
+    assert task.fork_settings() == {"data": DataConfig}
+
+
+def test_loss_items_that_fail_or_do_not_count_are_whole_lines(monkeypatch):
+    def failing(batch):
+        return batch["counted"]
+
+    monkeypatch.setattr(task, "loss_counter", lambda: failing)
+    with pytest.raises(ConfigError) as refused:
+        task.check_loss_items({"labels": torch.zeros(2)})
+    # this test's file is no fork file: the line names model.py, where loss_items lives
+    assert str(refused.value) == (
+        "train/model.py: loss_items(batch) failed on an eval batch: KeyError: 'counted'"
+    )
+    for returned, said in (
+        (torch.tensor([3, 4]), "a torch.int64 tensor of shape (2,)"),
+        (2.5, "a torch.float32 tensor of shape ()"),
+        (torch.tensor(1 + 2j), "a torch.complex64 tensor of shape ()"),
+    ):
+        monkeypatch.setattr(task, "loss_counter", lambda returned=returned: lambda batch: returned)
+        with pytest.raises(ConfigError) as refused:
+            task.check_loss_items({})
+        assert str(refused.value) == (
+            "train/model.py: loss_items(batch) must return how many items .loss averages over, one "
+            f"whole number (got {said})"
+        )
+    monkeypatch.setattr(task, "loss_counter", lambda: lambda batch: 7)
+    task.check_loss_items({})
+
+
+def test_columns_that_are_no_dict_or_not_one_value_per_sample_are_whole_lines():
+    for columns, got in (([1.0], "list"), ({}, "dict"), (None, "NoneType")):
+        with pytest.raises(ConfigError) as refused:
+            task.check_columns(columns, 4, "eval_columns")
+        assert str(refused.value) == (
+            "train/model.py: eval_columns must return a dict {name: tensor of shape (batch,)} "
+            f"(got {got})"
+        )
+    for values, got in (
+        (torch.zeros(4, 7), "(4, 7)"),
+        ([0.0] * 4, "list"),
+        (torch.zeros(3), "(3,)"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            task.check_columns({"right": torch.zeros(4), "loss": values}, 4, "generate_columns")
+        assert str(refused.value) == (
+            "train/model.py: generate_columns' 'loss' must be one value per sample, shape (4,), to "
+            f"be summed over exactly the eval set (got {got})"
+        )
+    task.check_columns({"loss": torch.zeros(4)}, 4, "eval_columns")
+
+
+def test_the_fork_s_line_closest_to_a_failure_is_named_and_only_train_s_files_count(tmp_path):
+    def raised_in(path, source) -> BaseException:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+        namespace = {}
+        exec(compile(source, str(path), "exec"), namespace)
+        try:
+            namespace["f"]()
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    fork = raised_in(tmp_path / "train" / "data.py", "def f():\n    x = 1\n    return {}['a']\n")
+    assert task.where_in_fork_files(fork) == "train/data.py:3"
+    elsewhere = raised_in(tmp_path / "lib" / "model.py", "def f():\n    return {}['a']\n")
+    assert task.where_in_fork_files(elsewhere) == "train/model.py"
+    not_a_fork_file = raised_in(tmp_path / "train" / "other.py", "def f():\n    return {}['a']\n")
+    assert task.where_in_fork_files(not_a_fork_file) == "train/model.py"
