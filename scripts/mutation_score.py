@@ -42,6 +42,7 @@ MODULES = {
         "tests/test_lm.py",
         "tests/test_adapters.py",
         "tests/test_data.py",
+        "tests/test_generate_columns.py",  # generate_columns, batch_columns, teacher_forced
     ],
     "buffers": ["tests/test_sharding.py", "tests/test_task.py"],
     "optim": ["tests/test_schedule.py"],
