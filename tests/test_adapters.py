@@ -477,3 +477,41 @@ def test_under_fsdp_adapters_outside_the_blocks_are_one_whole_line_naming_three(
         "lora_targets: under fsdp, adapters go in the transformer blocks only (FSDP's units); "
         "head, stem, tail is outside them (got blocks.0.fc, head, stem...)"
     )
+
+
+def test_a_model_without_blocks_says_lora_r_and_fsdp_need_them_in_whole_lines():
+    from adapters import check_targets_under_fsdp, target_names
+
+    bare = nn.Sequential(nn.Linear(2, 2))
+    for check, needed_for in (
+        (lambda: target_names(bare, RunConfig(lora_r=2)), "lora_r"),
+        (lambda: check_targets_under_fsdp(bare, ["0"]), "fsdp"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            check()
+        assert str(refused.value) == (
+            f"model: {needed_for} works block by block, and Sequential._no_split_modules names no "
+            "block class of it: set it to the class of the model's repeated layer"
+        )
+
+
+def test_peft_s_task_type_only_for_a_hub_model_and_no_adapters_without_peft(monkeypatch):
+    from adapters import add_lora, is_adapted, lora_config
+
+    assert lora_config(RunConfig(lora_r=2), ["fc"]).task_type is None
+    assert lora_config(RunConfig(lora_r=2, hf_model="some/llama"), ["fc"]).task_type == "CAUSAL_LM"
+    adapted = add_lora(Blocks(), RunConfig(lora_r=2))
+    assert is_adapted(adapted) and not is_adapted(Blocks())
+    monkeypatch.delitem(sys.modules, "peft.tuners.tuners_utils")  # peft never imported
+    assert not is_adapted(adapted)
+
+
+def test_merged_weights_keep_the_base_weights_dtype():
+    """W + scale x B A is computed in float64 and written back in the weight's own dtype."""
+    from adapters import add_lora, merged_weights
+
+    torch.manual_seed(0)
+    model = add_lora(Blocks(), RunConfig(lora_r=2))
+    merged = merged_weights(model, model.state_dict())
+    assert {tensor.dtype for tensor in merged.values()} == {torch.float32}
+    assert "blocks.0.fc.weight" in merged and not any(".lora_" in name for name in merged)
