@@ -82,6 +82,7 @@ MODULES = {
         "tests/test_preference.py",
         "tests/test_rl.py",
         "tests/test_hugging_face.py",  # end_of_turn_ids, through scripts/sample.py
+        "tests/test_generate_columns.py",  # greedy, up_to_the_end
     ],
     # scripts (OUTSIDE): the tests that load them in their own process
     "sweep": [
