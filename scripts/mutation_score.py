@@ -78,6 +78,7 @@ MODULES = {
     ],
     "plumbing": ["tests/test_plumbing.py", "tests/test_sharding.py", "tests/test_engines.py"],
     "chat": [
+        "tests/test_chat.py",
         "tests/test_example_data.py",
         "tests/test_preference.py",
         "tests/test_rl.py",

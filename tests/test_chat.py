@@ -1,0 +1,354 @@
+"""chat.py's helpers one by one, in one process: the lines the examples' data say and refuse with, the
+splits a dataset's eval set is found in, JSON read as the examples read it, the end of a completion, and
+the model context managers (their values worked by hand). Through the examples' own data.py:
+tests/test_example_data.py, tests/test_preference.py, tests/test_rl.py."""
+
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+import chat
+from errors import ConfigError
+
+
+def refused(function, *args) -> str:
+    with pytest.raises(ConfigError) as error:
+        function(*args)
+    return str(error.value)
+
+
+def test_the_data_s_lines_come_from_the_first_process_alone(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    chat.say("said alone")
+    monkeypatch.setenv("RANK", "0")
+    chat.say("said by rank 0")
+    monkeypatch.setenv("RANK", "1")
+    chat.say("not said")
+    assert capsys.readouterr().out == "said alone\nsaid by rank 0\n"
+
+
+def test_counted_nouns_take_an_s_except_one():
+    assert [chat.counted(n, "pair") for n in (0, 1, 2)] == ["0 pairs", "1 pair", "2 pairs"]
+
+
+@pytest.mark.parametrize(
+    "split, splits, eval_split",
+    [
+        ("train", ("train", "validation", "test"), "validation"),
+        ("train", ("train", "test"), "test"),
+        ("train", ("train",), None),
+        ("train_prefs", ("train_prefs", "test_prefs", "validation"), "test_prefs"),
+        ("train_prefs", ("train_prefs", "validation_prefs", "test_prefs"), "validation_prefs"),
+        ("train_prefs", ("train_prefs", "test"), "test"),
+        ("dev", ("dev", "validation"), "validation"),
+        ("validation", ("validation", "test"), "test"),
+        ("validation", ("validation",), None),
+    ],
+)
+def test_the_eval_split_is_the_sibling_then_validation_then_test(split, splits, eval_split):
+    cfg = SimpleNamespace(dataset_split=split)
+    assert chat.eval_split_name(dict.fromkeys(splits), cfg) == eval_split
+
+
+def test_a_row_is_named_by_its_line_or_its_place():
+    def row_of(row, where):
+        return {"where": where}
+
+    assert chat.named_row({"where": "a.jsonl line 7"}, 3, "hub/x", row_of) == {
+        "where": "a.jsonl line 7"
+    }
+    assert chat.named_row({"text": "hi"}, 3, "hub/x (train split)", row_of) == {
+        "where": "hub/x (train split) row 4"
+    }
+
+
+def test_messages_are_checked_and_their_text_parts_joined_a_line_apart():
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    messages = [
+        {"role": "user", "content": parts, "name": "dropped"},
+        {"role": "assistant", "content": "three"},
+    ]
+    assert chat.checked_conversation(messages, "x line 1") == [
+        {"role": "user", "content": "one\ntwo"},
+        {"role": "assistant", "content": "three"},
+    ]
+    needs = "dataset: x line 1: every message needs a 'role' and a 'content' string"
+    for bad in ([["user", "hi"]], [{"content": "hi"}], [{"role": 1, "content": "hi"}]):
+        assert refused(chat.checked_messages, bad, "x line 1") == needs
+    for content in (9, None, [], [{"type": "text", "text": 9}], [{"type": "text"}]):
+        assert refused(
+            chat.checked_messages, [{"role": "user", "content": content}], "x line 1"
+        ) == (needs + " (or a list of text parts)")
+    image = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": "a.png"}]
+    assert refused(chat.checked_messages, [{"role": "user", "content": image}], "x line 1") == (
+        "dataset: x line 1: a message has a part of type 'image_url'; chat fine-tuning here reads "
+        "text alone (a content string, or parts of type 'text', which are joined)"
+    )
+    assert refused(chat.checked_messages, [{"role": "user", "content": ["raw"]}], "x line 1") == (
+        "dataset: x line 1: a message has a part of type None; chat fine-tuning here reads text "
+        "alone (a content string, or parts of type 'text', which are joined)"
+    )
+    assert chat.checked_messages(None, "x line 1") == []
+    assert refused(chat.checked_conversation, [{"role": "user", "content": "hi"}], "x line 2") == (
+        "dataset: x line 2 has no assistant turn, nothing to learn from (roles: user)"
+    )
+    assert refused(chat.checked_conversation, [], "x line 3") == (
+        "dataset: x line 3 has no assistant turn, nothing to learn from (roles: none)"
+    )
+
+
+def test_json_lines_and_arrays_are_read_value_by_value_with_where_each_one_is(tmp_path):
+    lines = tmp_path / "rows.jsonl"
+    # a BOM, a blank line, a raw U+2028 inside a string (one line of JSON lines, not two)
+    lines.write_text('\ufeff{"a": "x"}\n\n{"a": "y\u2028z"}\n', encoding="utf-8")
+    assert chat.json_values(lines) == [
+        (f"{lines} line 1", {"a": "x"}),
+        (f"{lines} line 3", {"a": "y\u2028z"}),
+    ]
+    array = tmp_path / "rows.json"
+    array.write_text('  [{"a": 1}, {"a": 2}]')
+    assert chat.json_values(array) == [
+        (f"{array} entry 1", {"a": 1}),
+        (f"{array} entry 2", {"a": 2}),
+    ]
+    one_object = tmp_path / "one.json"
+    one_object.write_text('{"a": 1}\n')
+    assert chat.json_values(one_object) == [(f"{one_object} line 1", {"a": 1})]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"a": 1}\n{"a": \n')
+    assert refused(chat.json_values, bad) == (
+        f"dataset: {bad} line 2 is not valid JSON: Expecting value (column 7)"
+    )
+    bad_array = tmp_path / "bad.json"
+    bad_array.write_text('[{"a": 1},\n {"a" 2}]')
+    assert refused(chat.json_values, bad_array) == (
+        f"dataset: {bad_array} line 2 is not valid JSON: Expecting ':' delimiter (column 7)"
+    )
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text('{"a": 1}\n[1, 2]\n')
+    assert refused(chat.json_rows, listed, lambda value, where: value) == (
+        f"dataset: {listed} line 2 is a JSON list, not an object"
+    )
+    assert chat.json_rows(lines, lambda value, where: {"where": where, **value}) == [
+        {"where": f"{lines} line 1", "a": "x"},
+        {"where": f"{lines} line 3", "a": "y\u2028z"},
+    ]
+
+
+def test_json_files_whose_rows_differ_or_hold_none_are_one_line(tmp_path):
+    def row_of(value, where):
+        return value
+
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "c"}\n')
+    assert refused(chat.json_table, [mixed], row_of) == (
+        f"dataset: {mixed} mixes rows of different columns: (prompt) and (prompt, answer)"
+    )
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    other = tmp_path / "other.jsonl"
+    other.write_text("")
+    assert refused(chat.json_table, [empty, other], row_of) == (
+        f"dataset: {empty}, {other} holds no rows"
+    )
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "notes.txt").write_text("x")
+    assert refused(chat.read_local, folder, row_of) == (
+        f"dataset '{folder}' holds no .csv, .json, .jsonl, .parquet file"
+    )
+
+
+def test_a_json_table_s_columns_are_strings_and_conversations(tmp_path):
+    from datasets import Features, Value
+
+    features = chat.row_features({"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
+    message = {"role": Value("string"), "content": Value("string")}
+    assert features == Features({"prompt": Value("string"), "messages": [message]})
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a", "answer": "9"}\n{"prompt": "b", "answer": "x"}\n')
+    table = chat.read_local(rows, lambda value, where: value)
+    assert list(table) == ["train"]
+    assert table["train"].to_list() == [
+        {"prompt": "a", "answer": "9"},
+        {"prompt": "b", "answer": "x"},
+    ]
+
+
+def test_a_split_that_is_not_there_or_data_that_cannot_be_read_is_one_line(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a"}\n')
+    cfg = SimpleNamespace(dataset=str(rows), dataset_config="", dataset_split="test")
+    assert refused(chat.read_splits, cfg, lambda value, where: value) == (
+        f"dataset_split 'test' is not a split of '{rows}' (splits: train)"
+    )
+    cfg.dataset_split = "train"
+    assert chat.read_splits(cfg, lambda value, where: value)["train"].to_list() == [{"prompt": "a"}]
+    table = tmp_path / "rows.csv"
+    table.write_bytes(b'prompt\n"unclosed\n')
+    cfg.dataset = str(table)
+    assert refused(chat.read_splits, cfg, lambda value, where: value).startswith(
+        f"dataset '{table}' could not be read: "
+    )
+
+
+def test_the_completion_counts_up_to_and_with_its_first_end_of_turn():
+    completion = torch.tensor([[5, 2, 7, 2], [5, 5, 5, 5], [3, 5, 9, 9]])
+    assert chat.up_to_the_end(completion, [2, 3]).tolist() == [
+        [1, 1, 0, 0],
+        [1, 1, 1, 1],
+        [1, 0, 0, 0],
+    ]
+
+
+def test_generation_defaults_are_set_aside_within_and_back_after_even_on_an_error():
+    from transformers import GenerationConfig
+
+    own = GenerationConfig(top_k=7, min_p=0.2)
+    model = SimpleNamespace(generation_config=own)
+    with chat.without_model_defaults(model):
+        assert model.generation_config.top_k == GenerationConfig().top_k
+        assert model.generation_config.min_p is None
+    assert model.generation_config is own
+    with pytest.raises(OSError), chat.without_model_defaults(model):
+        raise OSError("disk")
+    assert model.generation_config is own
+    assert chat.sharded(nn.Linear(2, 2)) is False
+
+
+def test_the_reference_is_a_frozen_copy_in_eval_mode_and_the_model_is_untouched():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).train()
+    frozen = chat.frozen_copy(model)
+    assert not frozen.training and not frozen[1].training
+    assert not any(p.requires_grad for p in frozen.parameters())
+    assert model.training and all(p.requires_grad for p in model.parameters())
+    assert torch.equal(frozen[0].weight, model[0].weight)
+    assert frozen[0].weight.data_ptr() != model[0].weight.data_ptr()
+
+
+def test_evaluated_puts_every_module_in_eval_and_gives_each_its_own_mode_back():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+    model.train()
+    model[0].eval()  # one child already in eval mode
+    with pytest.raises(OSError), chat.evaluated(model):
+        assert [m.training for m in model.modules()] == [False, False, False]
+        raise OSError("disk")
+    assert [m.training for m in model.modules()] == [True, False, True]
+
+
+def test_adapters_are_switched_off_within_and_as_they_were_after():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    with pytest.raises(RuntimeError) as none:
+        with chat.adapters_off(nn.Sequential(nn.Linear(2, 2))):
+            pass
+    assert str(none.value) == (
+        "the reference is the model with its LoRA adapters off (lora_r), but it has none"
+    )
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    inject_adapter_in_model(LoraConfig(r=1, target_modules=["0", "1"]), model)
+    model[1]._disable_adapters = True  # one already off
+    with chat.adapters_off(model):
+        assert model[0]._disable_adapters and model[1]._disable_adapters
+    assert (model[0]._disable_adapters, model[1]._disable_adapters) == (False, True)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_the_weights_digest_is_xxh3_of_names_dtypes_shapes_and_bytes_in_name_order():
+    import xxhash
+
+    weights = {"w": torch.tensor([1.0]), "b": torch.tensor([2, 3], dtype=torch.int16)}
+    by_hand = xxhash.xxh3_64()
+    by_hand.update(b"b torch.int16 (2,)")
+    by_hand.update(struct.pack("<hh", 2, 3))
+    by_hand.update(b"w torch.float32 (1,)")
+    by_hand.update(struct.pack("<f", 1.0))
+    assert chat.weights_digest(weights) == by_hand.hexdigest()
+    assert chat.weights_digest(dict(reversed(weights.items()))) == by_hand.hexdigest()
+    transposed = {"w": torch.arange(6.0).reshape(2, 3).t()}  # not contiguous: read in its order
+    assert chat.weights_digest(transposed) == chat.weights_digest(
+        {"w": torch.tensor([[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]])}
+    )
+
+
+def test_a_tokenizer_without_a_chat_template_or_bytes_is_one_line(tmp_path, bpe_tokenizer):
+    assert refused(chat.chat_tokenizer, SimpleNamespace(tokenizer_name="bytes")) == (
+        "tokenizer: chat fine-tuning needs a Hugging Face tokenizer with a chat template: pass "
+        "--hf_model CHECKPOINT (its own tokenizer) or --tokenizer NAME_OR_FOLDER"
+    )
+    assert refused(chat.chat_tokenizer, SimpleNamespace(tokenizer_name=str(bpe_tokenizer))) == (
+        f"tokenizer '{bpe_tokenizer}' has no chat template to render conversations with (an "
+        "instruct or chat checkpoint has one; a base model's tokenizer often not: set "
+        "tokenizer.chat_template and save it, or use the instruct checkpoint's tokenizer)"
+    )
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_tokenizer(chat_tokenizer):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    # a template that writes how many messages follow first: each turn changes the first tokens
+    tokenizer.chat_template = (
+        "{{ messages | length }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert refused(chat.encode, messages, tokenizer) == (
+        f"tokenizer '{tokenizer.name_or_path}': its chat template does not render a conversation "
+        "turn by turn as prefixes of one another (it rewrites earlier turns), so the assistant's "
+        "tokens cannot be told from the prompt's"
+    )
+
+
+def test_the_eval_set_is_said_in_one_line(tmp_path, capsys, monkeypatch):
+    import datasets
+
+    monkeypatch.delenv("RANK", raising=False)
+    rows = datasets.Dataset.from_dict({"x": [str(n) for n in range(10)]})
+    cfg = SimpleNamespace(dataset="d", dataset_split="train", eval_fraction=0.2)
+    train, held_out = chat.train_and_eval({"train": rows}, cfg, "row")
+    assert (len(train), len(held_out)) == (8, 2)
+    assert sorted([*train["x"], *held_out["x"]]) == sorted(rows["x"])
+    named = {"train": rows, "test": rows.select([0])}
+    train, held_out = chat.train_and_eval(named, cfg, "row")
+    assert (len(train), list(held_out["x"])) == (10, ["0"])
+    assert capsys.readouterr().out == (
+        "eval set: 20% of d's train split held out (eval_fraction; 2 rows)\n"
+        "eval set: the test split of d (1 row)\n"
+    )
+
+
+def test_only_the_train_and_eval_splits_are_checked_each_row_named(tmp_path):
+    import datasets
+
+    splits = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"x": ["a", "b"]}),
+            "test": datasets.Dataset.from_dict({"x": ["c"]}),
+            "extra": datasets.Dataset.from_dict({"x": ["d"]}),
+        }
+    )
+    cfg = SimpleNamespace(dataset="hub/x", dataset_split="train")
+    checked = chat.checked_splits(splits, cfg, lambda row, where: {"where": where}, "row")
+    assert {name: list(rows["where"]) for name, rows in checked.items()} == {
+        "train": ["hub/x (train split) row 1", "hub/x (train split) row 2"],
+        "test": ["hub/x (test split) row 1"],
+    }
+    alone = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": ["a"]})})
+    checked = chat.checked_splits(alone, cfg, lambda row, where: {"where": where}, "row")
+    assert list(checked["train"]["where"]) == ["hub/x row 1"]
+
+
+def test_rows_of_files_yields_what_json_rows_reads_file_after_file(tmp_path):
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text('{"x": "1"}\n')
+    second.write_text('{"x": "2"}\n{"x": "3"}\n')
+    rows = chat.rows_of_files([str(first), str(second)], lambda value, where: value, "key")
+    assert list(rows) == [{"x": "1"}, {"x": "2"}, {"x": "3"}]
+    assert json.loads(first.read_text()) == {"x": "1"}
+    assert Path(first).exists()
