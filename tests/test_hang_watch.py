@@ -462,3 +462,182 @@ def test_the_job_s_store_is_asked_as_a_client_under_this_attempt_s_prefix(monkey
     monkeypatch.setattr(hangs.dist.distributed_c10d, "_set_pg_timeout", set_to.append)
     hangs.set_collective_timeout(60)
     assert set_to == [timedelta(seconds=60)]
+
+
+def test_a_watch_in_a_process_group_listens_on_a_daemon_thread_that_answers_the_alarm(
+    tmp_path, monkeypatch
+):
+    """With a process group and more than one process: the job's store (a client asked with
+    dist_timeout_s), and a daemon thread that, once another rank raises the alarm, publishes this
+    rank's note with the main thread's stack (here: this test) and ends the process."""
+    import torch.distributed as dist
+
+    store, asked = Store(), []
+    monkeypatch.setattr(hangs, "job_store", lambda timeout_s: asked.append(timeout_s) or store)
+    monkeypatch.setattr(hangs, "SILENT_WAIT_S", 0.0)
+    exits = []
+    monkeypatch.setattr(hangs.os, "_exit", exits.append)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        lone = watch_of(1, {}, dist_timeout_s=77)  # one process: nothing to listen for
+        assert lone.store is None and lone.listener is None and asked == []
+        watch = hangs.Watch(
+            SimpleNamespace(process_index=1, num_processes=2, device="cpu"),
+            RunConfig(output_dir=str(tmp_path), dist_timeout_s=77),
+        )
+        assert watch.store is store and watch.listener.daemon and watch.listener.is_alive()
+        time.sleep(0.1)  # the thread asks the store, finds no alarm, waits ALARM_CHECK_S
+        store.set("alarm", "0")
+        watch.listener.join(timeout=5)
+        assert not watch.listener.is_alive() and exits == [1]
+        assert asked == [77, 77]  # the watch's client, the thread's own
+        note = json.loads(store.values["note/1"])
+        assert note["waiting_in_a_collective"] is False
+        assert any("answers_the_alarm" in frame for frame in note["stack"])  # the main thread's
+        quiet = hangs.Watch(
+            SimpleNamespace(process_index=1, num_processes=2, device="cpu"),
+            RunConfig(output_dir=str(tmp_path), dist_timeout_s=77),
+        )
+        store.values.pop("alarm")
+        quiet.stop()  # the job ends: the thread with it
+        assert not quiet.listener.is_alive()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_after_a_step_the_note_says_that_step_ended():
+    watch = watch_of(2, {})
+    watch.step_done(3)
+    assert (watch.note["step"], watch.note["phase"]) == (
+        3,
+        "the end of the step (logging votes, eval, checkpoint)",
+    )
+
+
+class Clock:
+    """hangs.time with a perf_counter that says what the test sets."""
+
+    def __init__(self, now):
+        self.now = now
+
+    def perf_counter(self):
+        return self.now
+
+    monotonic = perf_counter
+
+
+def straggler_row(monkeypatch, table, window_s=2.0, **cfg):
+    """The stragglers row of rank 0 in a world of len(table), the ranks' (data, forward) seconds
+    exact (float64), over a window of window_s seconds; the reduce only sums."""
+    monkeypatch.setattr(hangs, "time", Clock(100.0))
+    watch = watch_of(len(table), {}, **cfg)
+    watch.window_started = 100.0 - window_s
+    watch.plumbing.reduce = lambda tensor, how: {"sum": torch.tensor(table, dtype=torch.float64)}[
+        how
+    ]
+    return watch.stragglers()
+
+
+def test_the_slowest_rank_and_the_others_median_are_found_wherever_it_is(monkeypatch):
+    row = straggler_row(monkeypatch, [[0.9, 0.0], [0.1, 0.0], [0.3, 0.0], [0.5, 0.0]])
+    assert (row["slowest_rank"], row["median_rank_s"]) == (0, 0.3)  # of 0.1, 0.3, 0.5
+    row = straggler_row(monkeypatch, [[0.1, 0.0], [0.3, 0.0], [0.9, 0.0], [0.5, 0.0], [0.2, 0.0]])
+    assert (row["slowest_rank"], row["median_rank_s"]) == (2, 0.25)  # of 0.1, 0.3, 0.5, 0.2
+    assert row["straggler_rank"] == 2 and row["straggler_data_s"] == 0.9
+
+
+def test_a_straggler_s_edges_are_strict(monkeypatch):
+    """By hand, in a 2 s window (its 10%: 0.2 s), factor 2: exactly twice as slow is not a straggler,
+    nor a lag of exactly 0.2 s, nor one of exactly STRAGGLER_MIN_S; a lag under STRAGGLER_MIN_S is
+    not, however large the two times together."""
+    assert "straggler_rank" not in straggler_row(monkeypatch, [[0.25, 0.0], [0.25, 0.25]])
+    assert "straggler_rank" in straggler_row(monkeypatch, [[0.25, 0.0], [0.25, 0.26]])
+    assert "straggler_rank" not in straggler_row(monkeypatch, [[0.0, 0.0], [0.2, 0.0]])
+    monkeypatch.setattr(hangs, "STRAGGLER_MIN_S", 0.25)
+    assert "straggler_rank" not in straggler_row(monkeypatch, [[0.0, 0.0], [0.25, 0.0]], 1.0)
+    monkeypatch.setattr(hangs, "STRAGGLER_MIN_S", 0.1)
+    assert "straggler_rank" not in straggler_row(monkeypatch, [[0.04, 0.0], [0.12, 0.0]], 1.0)
+
+
+def test_each_window_starts_where_the_last_report_ended(monkeypatch):
+    clock = Clock(100.0)
+    monkeypatch.setattr(hangs, "time", clock)
+    watch = watch_of(2, {})  # its window starts now: 100.0
+    watch.plumbing.reduce = lambda tensor, how: torch.tensor([[0.0, 0.0], [0.5, 0.0]])
+    clock.now = 110.0  # 10 s later: a lag of 0.5 s is 5%, no straggler
+    assert "straggler_rank" not in watch.stragglers()
+    clock.now = 112.0  # 2 s after the report: 25%
+    assert watch.stragglers()["straggler_rank"] == 1
+
+
+class LateStore(Store):
+    """The notes of the other ranks arrive `after` seconds after the first question."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.after, self.first, self.late = after, None, {}
+
+    def check(self, keys):
+        import time as real_time
+
+        self.first = self.first or real_time.monotonic()
+        if real_time.monotonic() - self.first >= self.after:
+            self.values.update(self.late)
+        return super().check(keys)
+
+
+def test_the_notes_are_waited_for_until_they_all_came(monkeypatch):
+    monkeypatch.setattr(hangs, "ANSWER_WAIT_S", 3.0)
+    watch = watch_of(2, {})
+    del watch.notes
+    watch.store = LateStore(after=0.2)
+    watch.store.late = {"note/0": b'{"step": 1}', "note/1": b'{"step": 2}'}
+    assert watch.notes() == {0: {"step": 1}, 1: {"step": 2}}
+
+
+def test_explain_notes_the_error_raises_the_alarm_and_the_second_rank_says_nothing(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(hangs, "ANSWER_WAIT_S", 0.05)
+    store = Store()
+    said = []
+    for rank in (1, 0):
+        watch = hangs.Watch(
+            SimpleNamespace(process_index=rank, num_processes=2, device="cpu"),
+            RunConfig(output_dir=str(tmp_path), step_timeout_s=60),
+        )
+        watch.store = store
+        monkeypatch.setattr(hangs, "_watch", watch)
+        said.append(hangs.explain(RuntimeError("Timed out waiting 60000ms\nrest")))
+        assert watch.saw_failure is True
+        assert store.values["alarm"] == str(rank).encode()  # who raised it
+    assert said[1] == ("", False)
+    assert said[0][1] and " timed out (step_timeout_s 60) on rank(s) " in said[0][0]
+    note = json.loads(store.values["note/1"])
+    assert (note["error"], note["waiting_in_a_collective"]) == ("Timed out waiting 60000ms", True)
+
+
+class NoAlarm(Store):
+    """A store whose node went down between this rank's note and its alarm."""
+
+    def set(self, key, value):
+        if key == "alarm":
+            raise ConnectionResetError("Connection reset by peer")
+        super().set(key, value)
+
+
+def test_a_store_lost_before_the_alarm_makes_the_local_rank_0_say_the_store_s_node_is_gone(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(hangs, "ANSWER_WAIT_S", 0.05)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    watch = hangs.Watch(
+        SimpleNamespace(process_index=1, num_processes=2, device="cpu"),
+        RunConfig(output_dir=str(tmp_path)),
+    )
+    watch.store = NoAlarm()
+    watch.store.add("speaker", 1)  # another rank claimed the line in the store
+    monkeypatch.setattr(hangs, "_watch", watch)
+    line, says = hangs.explain(RuntimeError("Connection closed by peer"))
+    assert watch.store_gone and says
+    assert "and the job's store at " in line and "the main node is gone" in line
