@@ -2138,6 +2138,56 @@ BREAKS = (
         ),
         quick=False,
     ),
+    # ---- issue 52 item 3: RL sampling that does not depend on the layout (each completion its own
+    # seed from (seed, step, prompt index, g), Gumbel-max noise from its own generator)
+    Break(
+        "layout52: the rank back in the sampling seed (another world size samples other completions)",
+        "examples/rl/model.py",
+        "rollout_seed(cfg.seed, step, prompt, g)",
+        'rollout_seed(cfg.seed, step, f"{dist.get_rank() if dist.is_initialized() else 0}/{prompt}", g)',
+        (
+            "tests/e2e/test_rl_runs.py::test_one_process_of_4_prompts_samples_and_trains_as_two_"
+            "processes_of_2",
+        ),
+        quick=False,
+    ),
+    Break(
+        "layout52: one generator (the first row's) draws the whole batch's noise",
+        "examples/rl/model.py",
+        "        uniforms = torch.stack(\n"
+        "            [\n"
+        "                torch.rand(scores.size(-1), generator=generator, device=scores.device)\n"
+        "                for generator in self.generators\n"
+        "            ]\n"
+        "        )\n",
+        "        uniforms = torch.rand(scores.shape, generator=self.generators[0], device=scores.device)\n",
+        (
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_"
+            "s_gumbel_noise",
+            "tests/test_rl.py::test_a_prompt_samples_the_same_tokens_alone_and_in_a_batch_at_another_row",
+        ),
+    ),
+    Break(
+        "layout52: the noise does not advance per token (each row's generator seeded anew each step)",
+        "examples/rl/model.py",
+        "        if self.generators is None:  # on the device of the scores, at the first token\n",
+        "        if True:\n",
+        (
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_"
+            "s_gumbel_noise",
+            "tests/test_rl.py::test_gumbel_max_samples_the_tempered_top_p_distribution",
+        ),
+    ),
+    Break(
+        "layout52: the prompt index is the row's place in its micro-batch, not the prompt's in its split",
+        "examples/rl/model.py",
+        'for prompt in batch["prompt_index"].tolist()',
+        'for prompt in range(batch["prompt_ids"].size(0))',
+        (
+            "tests/test_rl.py::test_a_prompt_samples_the_same_tokens_alone_and_in_a_batch_at_another_row",
+            "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
+        ),
+    ),
 )
 
 

@@ -10,13 +10,14 @@ evaluations. Each check against a number worked out another way or an uninterrup
     - the torch path (torchrun), one rank SIGKILLed after the mid-run checkpoint, then resumed: the
       Accelerate run's losses, rollout values (rewards, lengths, KL) and evaluations at every step, its
       export to the bit, and after the resume the same sampled tokens, rank by rank and micro-batch by
-      micro-batch (recorded by a wrapper of the fork's rollout: the generation's RNG survives the kill);
+      micro-batch (recorded by a wrapper of the fork's rollout: the seeds are the run's counters);
     - FSDP2 (the torch path, --fsdp full, 2 gloo ranks) whose ranks' completions end at different
       lengths (recorded) ends without a hang, and the reference never drifts: step 1's KL is 0 (the
       policy is its reference) and the manifest's reference digest is the SFT export's, computed here.
-Not here: 1 process x 4 prompts x 2 micro-batches against 2 x 2 x 2 (the sampling seed holds the rank
-and the micro-batch index, so the two layouts sample other completions: there is nothing equal to
-compare; tests/test_rl.py weighs a step's micro-batches and ranks against the formula instead).
+    - the layout: the same run as 1 process x 4 prompts x 2 micro-batches samples, at every step, the
+      same completions of each prompt as the 2 x 2 x 2 run (each completion seeded from its prompt,
+      not its rank or row), and logs the same losses, gradient norms and rollout values to fp32
+      rounding (DAPO: its normaliser, the step's tokens, spans micro-batches and ranks).
 """
 
 import json
@@ -274,6 +275,25 @@ def recorded(folder: Path) -> dict[str, list]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
 
 
+def completions_by_prompt(rollouts: dict, tokenizer, step: int) -> list:
+    """A step's sampled completions, whichever rank and micro-batch sampled them: sorted (prompt
+    text, its G completions' counted tokens), read from the recorded rows (a prompt's G are G rows
+    in a row, each counted up to and with its end of turn)."""
+    found = []
+    for name in sorted(rollouts):
+        if not name.startswith(f"step{step:03d}_"):
+            continue
+        for batch in rollouts[name]:
+            width = len(batch["completion_mask"][0])
+            rows = list(zip(batch["input_ids"], batch["completion_mask"], strict=True))
+            for first in range(0, len(rows), 4):  # G = 4
+                group = rows[first : first + 4]
+                prompt = tokenizer.decode(group[0][0][:-width], skip_special_tokens=True)
+                completions = [tuple(ids[-width:][: sum(mask)]) for ids, mask in group]
+                found.append((prompt, completions))
+    return sorted(found)
+
+
 def manifest_identity(run_dir: Path) -> dict:
     newest = sorted((run_dir / "checkpoints").iterdir())[-1]
     return json.loads((newest / "manifest.json").read_text())["run"]
@@ -463,3 +483,36 @@ def test_under_fsdp2_ranks_of_different_lengths_finish_and_the_reference_never_d
     digest = weights_digest_of(pipeline.sft)
     assert f"weights digest {digest}" in done.output
     assert manifest_identity(run_dir)["model/reference"] == digest
+
+
+def test_one_process_of_4_prompts_samples_and_trains_as_two_processes_of_2(
+    pipeline, trained, tmp_path
+):
+    """The same run as 1 process x 4 prompts x 2 micro-batches (python train/main.py): at every step
+    each prompt's 4 completions are the 2 x 2 x 2 run's, token for token, and the losses, gradient
+    norms and rollout values are its own to fp32 rounding (measured: loss within 2.1e-7 relative,
+    grad_norm 3.1e-7, rewards and lengths 4e-16, KL 1e-9 absolute)."""
+    run_dir = tmp_path / "one_process"
+    run_python(
+        pipeline.args(run_dir, batch_size=4),
+        tmp_path,
+        script=pipeline.fork / "train" / "main.py",
+        env_extra={"RECORD_ROLLOUTS": tmp_path / "rollouts"},
+    ).check()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pipeline.sft)
+    one, two = recorded(tmp_path / "rollouts"), recorded(pipeline.root / "rollouts")
+    assert sorted(one) == [f"step{s:03d}_rank0" for s in range(1, STEPS + 1)]
+    for step in range(1, STEPS + 1):
+        sampled = completions_by_prompt(one, tokenizer, step)
+        assert len(sampled) == 8  # the step's prompts, all of them
+        assert sampled == completions_by_prompt(two, tokenizer, step), step
+    expected, written = step_rows(trained.output_dir), step_rows(run_dir)
+    assert sorted(written) == sorted(expected)
+    for step in expected:
+        for name in ("loss", "grad_norm", *ROLLOUT_VALUES):
+            got, wanted = written[step][name], expected[step][name]
+            # KL is a mean of k3 over small differences of log-probs (step 1's is rounding alone,
+            # 1e-13: the policy is its reference): its rounding is absolute
+            assert got == pytest.approx(wanted, rel=1e-5, abs=1e-8), (step, name, got, wanted)
