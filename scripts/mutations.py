@@ -2188,6 +2188,244 @@ BREAKS = (
             "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
         ),
     ),
+    # ---- blind audit (issue 52): eval columns from generated text (generate_columns, chat.greedy,
+    # the chat example's answer_exact, the RL eval), written without reading tests/
+    Break(
+        "blind52g task: generate_columns gets the DDP-wrapped model (model.rl, generate: AttributeError under DDP)",
+        "train/task.py",
+        "return generated(unwrapped(model), batch, cfg)",
+        "return generated(model, batch, cfg)",
+        ("tests/test_task.py::test_generate_columns_join_the_forward_s_columns_on_the_model_itself",),
+    ),
+    Break(
+        "blind52g task: unwrapped takes DDP off but not torch.compile's wrapper (sharded() false under compile)",
+        "train/task.py",
+        'inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)',
+        'inner = getattr(model, "module", None)',
+        ("tests/test_task.py::test_generate_columns_join_the_forward_s_columns_on_the_model_itself",),
+    ),
+    Break(
+        "blind52g task: the forward still runs on eval batches of a task that only generates (RL's prompts)",
+        "train/task.py",
+        "    columns = eval_columns(model(**batch), batch) if teacher_forced() else {}\n",
+        "    output = model(**batch)\n    columns = eval_columns(output, batch) if teacher_forced() else {}\n",
+        (
+            "tests/test_task.py::test_an_eval_that_only_generates_needs_no_eval_columns_and_no_forward",
+            "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
+        ),
+    ),
+    Break(
+        "blind52g task: batch_columns drops generate_columns' columns (no eval_answer_exact, RL's eval empty)",
+        "train/task.py",
+        "    return {**columns, **generate_columns(model, batch, cfg)}\n",
+        "    return columns\n",
+        (
+            "tests/test_task.py::test_generate_columns_join_the_forward_s_columns_on_the_model_itself",
+            "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind52g task: a fork with generate_columns and no eval_columns is refused at start-up",
+        "train/task.py",
+        '        del required["model"]["eval_columns"]\n',
+        "",
+        ("tests/test_task.py::test_an_eval_that_only_generates_needs_no_eval_columns_and_no_forward",),
+    ),
+    Break(
+        "blind52g task: generate_columns(model, batch) without cfg passes the start-up's signature check",
+        "train/task.py",
+        'takes(generates, ("model", "batch", "cfg"))',
+        'takes(generates, ("model", "batch"))',
+        ("tests/test_task.py::test_generate_columns_that_take_other_arguments_is_one_line_at_start_up",),
+    ),
+    Break(
+        "blind52g task: generate_columns' shapes unchecked at start-up when eval_columns exists too",
+        "train/task.py",
+        "if generated or not forward:",
+        "if not forward:",
+        ("tests/test_task.py::test_generate_columns_that_break_the_contract_are_one_line_at_start_up",),
+    ),
+    Break(
+        "blind52g task: one column named by both eval_columns and generate_columns is not refused (one silently wins)",
+        "train/task.py",
+        "        if both:\n",
+        "        if len(both) > 1:\n",
+        ("tests/test_task.py::test_generate_columns_that_break_the_contract_are_one_line_at_start_up",),
+    ),
+    Break(
+        "blind52g task: a generate-only task's loss_items is not checked at start-up (traceback at step 1)",
+        "train/task.py",
+        "    check_loss_items(batch)\n    if not forward:  # no forward on eval batches: the training batches' .loss is the step's\n        return\n",
+        "    if not forward:  # no forward on eval batches: the training batches' .loss is the step's\n        return\n    check_loss_items(batch)\n",
+        (
+            "tests/test_task.py::test_an_eval_that_only_generates_needs_no_eval_columns_and_no_forward",
+            "tests/test_task.py::test_loss_items_that_fail_or_do_not_count_are_whole_lines",
+            "tests/test_task.py::test_loss_items_must_count_one_whole_number",
+        ),
+    ),
+    Break(
+        "blind52g evaluation: eval columns not gathered (each rank's own sums; padding copies kept)",
+        "train/evaluation.py",
+        "plumbing.gather_for_metrics(columns).items()",
+        "columns.items()",
+        (
+            "tests/e2e/test_rl_runs.py::test_it_logs_its_rollouts_each_step_and_its_eval_is_the_export_s_greedy_count",
+            "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind52g chat: greedy's positions count from 1 (a prompt generates unlike training)",
+        "train/chat.py",
+        "position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),",
+        "position_ids=prompt_mask.cumsum(-1),",
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+            "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind52g chat: greedy keeps the model's generation_config (a hub model's repetition_penalty decodes)",
+        "train/chat.py",
+        "    with without_model_defaults(model):\n",
+        "    if True:\n",
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+            "tests/test_chat.py::test_generation_defaults_are_set_aside_within_and_back_after_even_on_an_error",
+        ),
+    ),
+    Break(
+        "blind52g chat: without_model_defaults never gives the model its generation_config back",
+        "train/chat.py",
+        "        model.generation_config = kept\n",
+        "        pass\n",
+        ("tests/test_chat.py::test_generation_defaults_are_set_aside_within_and_back_after_even_on_an_error",),
+    ),
+    Break(
+        "blind52g chat: up_to_the_end leaves out the end of turn itself",
+        "train/chat.py",
+        "ended_before = is_end.cumsum(-1) - is_end",
+        "ended_before = is_end.cumsum(-1)",
+        ("tests/test_chat.py::test_the_completion_counts_up_to_and_with_its_first_end_of_turn",),
+    ),
+    Break(
+        "blind52g chat: greedy without synced_gpus (FSDP2: a rank done first leaves the others in a collective)",
+        "train/chat.py",
+        "synced_gpus=sharded(model),",
+        "synced_gpus=False,",
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+        ),
+    ),
+    Break(
+        "blind52g sft: a packed conversation's prompt starts at the block's start (earlier conversations in it)",
+        "examples/chat_sft/model.py",
+        "first - positions[first], first, ending + 1))",
+        "0, first, ending + 1))",
+        (
+            "tests/test_generate_columns.py::test_packed_blocks_count_the_same_turns_each_from_its_own_conversation",
+            "tests/test_generate_columns.py::test_the_prompts_are_each_turn_s_conversation_before_it",
+        ),
+    ),
+    Break(
+        "blind52g sft: the answer is compared without its end of turn (a turn that rambles on counts exact)",
+        "examples/chat_sft/model.py",
+        "first - positions[first], first, ending + 1))",
+        "first - positions[first], first, ending))",
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+        ),
+    ),
+    Break(
+        "blind52g sft: a turn cut at the block's end (no end of turn) is counted",
+        "examples/chat_sft/model.py",
+        "if tokens[i] in ends), None)",
+        "if tokens[i] in ends), k - 1)",
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+            "tests/test_generate_columns.py::test_packed_blocks_count_the_same_turns_each_from_its_own_conversation",
+        ),
+    ),
+    Break(
+        "blind52g sft: greedy gets one token too few (the longest turn's end of turn never generated)",
+        "examples/chat_sft/model.py",
+        "max_new_tokens=longest)",
+        "max_new_tokens=longest - 1)",
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+        ),
+    ),
+    Break(
+        "blind52g sft: a row's exact turns overwritten, not summed (a packed block counts its last turn only)",
+        "examples/chat_sft/model.py",
+        "exact[row] += float(",
+        "exact[row] = float(",
+        (
+            "tests/test_generate_columns.py::test_packed_blocks_count_the_same_turns_each_from_its_own_conversation",
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+        ),
+    ),
+    Break(
+        "blind52g sft: left padding attended (the shorter prompts read pad tokens)",
+        "examples/chat_sft/model.py",
+        "mask = torch.zeros_like(ids)",
+        "mask = torch.ones_like(ids)",
+        (
+            "tests/test_generate_columns.py::test_the_prompts_are_each_turn_s_conversation_before_it",
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+        ),
+    ),
+    Break(
+        "blind52g sft: answer_exact divides exact turns by assistant tokens, not turns",
+        "examples/chat_sft/model.py",
+        'sums["turns_exact"] / sums["turns"]',
+        'sums["turns_exact"] / sums["tokens"]',
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+            "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
+        ),
+        quick=False,
+    ),
+    Break(
+        "blind52g sft: a rank whose eval batch holds no whole turn skips the dummy generate (FSDP2 hang)",
+        "examples/chat_sft/model.py",
+        "if sharded(model):",
+        "if False:",
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+        ),
+    ),
+    Break(
+        "blind52g rl: the eval scores without exact_answer (no eval_pass_rate unless it is a weighted reward)",
+        "examples/rl/model.py",
+        "score(rl, generated, with_pass=True)",
+        "score(rl, generated)",
+        (
+            "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
+        ),
+    ),
+    Break(
+        "blind52g rl: the eval's completion_tokens count non-pad tokens (the end of turn lost where pad is EOS)",
+        "examples/rl/model.py",
+        '"completion_tokens": generated["mask"].sum(-1),',
+        '"completion_tokens": (generated["completion"] != rl.pad_id).sum(-1),',
+        (
+            "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
+        ),
+    ),
+    Break(
+        "blind52g rl: eval_metrics divides by completion tokens, not prompts (eval_reward, pass_rate per token)",
+        "examples/rl/model.py",
+        'prompts = max(sums["prompts"], 1.0)',
+        'prompts = max(sums["completion_tokens"], 1.0)',
+        (
+            "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
+            "tests/e2e/test_rl_runs.py::test_it_logs_its_rollouts_each_step_and_its_eval_is_the_export_s_greedy_count",
+        ),
+        quick=False,
+    ),
 )
 
 
