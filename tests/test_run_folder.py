@@ -157,3 +157,17 @@ def test_the_requeue_marker_records_the_stop_and_the_next_start_removes_it(tmp_p
     folder.clear_requeue_marker()
     assert not marker.exists()
     folder.clear_requeue_marker()  # nothing to remove: no error
+
+
+def test_the_config_s_folder_and_a_marker_in_a_folder_that_exists(tmp_path):
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(output_dir=str(tmp_path), staging_dir="", shared_filesystem=False)
+    folder = RunFolder.of(cfg)
+    assert (folder.local, folder.shared) == (tmp_path, False)  # each node its own disk
+    folder.mark_for_requeue(3, "SIGUSR1", None)  # the run folder is there already
+    assert json.loads((tmp_path / "preempted.json").read_text()) == {
+        "step": 3,
+        "signal": "SIGUSR1",
+        "checkpoint": None,
+    }
