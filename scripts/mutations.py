@@ -2426,6 +2426,98 @@ BREAKS = (
         ),
         quick=False,
     ),
+    # ---- blind audit (issue 52): RL sampling independent of the layout (per-completion seeds,
+    # GumbelSampler, data.py's prompt_index), written without reading tests/
+    Break(
+        "blind52s rl: the seed leaves out the completion's place g (a prompt's G completions identical, advantages 0)",
+        "examples/rl/model.py",
+        'text = f"{seed}/{step}/{prompt}/{completion}".encode()',
+        'text = f"{seed}/{step}/{prompt}".encode()',
+        (
+            "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",
+        ),
+    ),
+    Break(
+        "blind52s rl: the seeds listed g-major while the rows are prompt-major (a row samples with another prompt's seed)",
+        "examples/rl/model.py",
+        '        for prompt in batch["prompt_index"].tolist()\n        for g in range(groups)\n',
+        '        for g in range(groups)\n        for prompt in batch["prompt_index"].tolist()\n',
+        (
+            "tests/test_rl.py::test_a_prompt_samples_the_same_tokens_alone_and_in_a_batch_at_another_row",
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",
+        ),
+    ),
+    Break(
+        "blind52s rl: --seed left out of the completions' seeds (runs of other seeds sample alike)",
+        "examples/rl/model.py",
+        "rollout_seed(cfg.seed, step, prompt, g)",
+        "rollout_seed(0, step, prompt, g)",
+        (
+            "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",
+        ),
+    ),
+    Break(
+        "blind52s rl: GumbelSampler leaves out the temperature (samples at temperature 1)",
+        "examples/rl/model.py",
+        "tempered = scores.to(torch.promote_types(scores.dtype, torch.float32)) / self.temperature",
+        "tempered = scores.to(torch.promote_types(scores.dtype, torch.float32))",
+        (
+            "tests/test_rl.py::test_gumbel_max_samples_the_tempered_top_p_distribution",
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",
+        ),
+    ),
+    Break(
+        "blind52s rl: generate builds the sampler without --top_p (top_p 1: the whole vocabulary sampled)",
+        "examples/rl/model.py",
+        "processors = [recorder, GumbelSampler(seeds, cfg.temperature, cfg.top_p)]",
+        "processors = [recorder, GumbelSampler(seeds, cfg.temperature, 1.0)]",
+        (
+            "tests/test_rl.py::test_gumbel_max_samples_the_tempered_top_p_distribution",
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",
+        ),
+    ),
+    Break(
+        "blind52s rl: the recorder runs after the sampler (old log-probs of the noisy scores)",
+        "examples/rl/model.py",
+        "processors = [recorder, GumbelSampler(seeds, cfg.temperature, cfg.top_p)]",
+        "processors = [GumbelSampler(seeds, cfg.temperature, cfg.top_p), recorder]",
+        (
+            "tests/test_rl.py::test_the_log_probs_recorded_at_generation_are_the_current_policy_s",
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",
+        ),
+    ),
+    Break(
+        "blind52s rl: the Gumbel noise's sign flipped (argmax of log p - G: not a sample of p)",
+        "examples/rl/model.py",
+        "return self.log_probs(scores) - torch.log(-torch.log(uniforms))",
+        "return self.log_probs(scores) + torch.log(-torch.log(uniforms))",
+        (
+            "tests/test_rl.py::test_gumbel_max_samples_the_tempered_top_p_distribution",
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",
+        ),
+    ),
+    Break(
+        "blind52s rl: generate samples again from the noisy scores (do_sample on: the global RNG decides)",
+        "examples/rl/model.py",
+        "do_sample=False,",
+        "do_sample=sampled,",
+        (
+            "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
+            "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",
+        ),
+    ),
+    Break(
+        "blind52s data: every prompt's prompt_index is 0 (all prompts draw the same noise: correlated samples)",
+        "examples/rl/data.py",
+        'rows = rows.add_column("prompt_index", list(range(len(rows))))',
+        'rows = rows.add_column("prompt_index", [0] * len(rows))',
+        (
+            "tests/test_rl.py::test_a_prompt_samples_the_same_tokens_alone_and_in_a_batch_at_another_row",
+            "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
+        ),
+    ),
 )
 
 
