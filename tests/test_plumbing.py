@@ -224,3 +224,49 @@ def test_the_process_group_is_destroyed_after_a_pause_and_only_when_there_is_one
     monkeypatch.setattr(plumbing.dist, "is_initialized", lambda: True)
     plumbing.close_process_group()
     assert happened == [0.05, "destroy"]
+
+
+def test_the_accelerator_is_built_from_the_config_on_cpu(tmp_path, monkeypatch):
+    """What build_accelerator hands accelerate.Accelerator, recorded instead of building one: on a
+    machine without CUDA a gloo CPU group, the launcher's precision unless the config names one, the
+    config's accumulation without syncing to the loader, blocking batch copies, the trackers or
+    None, the run folder; under a launcher of 2 the process group first, with dist_timeout_s."""
+    import accelerate
+
+    import plumbing
+
+    built, started, checked = {}, [], []
+
+    class Recorder:
+        num_processes = 2
+
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+    monkeypatch.setattr(accelerate, "Accelerator", Recorder)
+    monkeypatch.setattr(plumbing.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(plumbing, "init_process_group", started.append)
+    monkeypatch.setattr(plumbing, "check_world_size", checked.append)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = RunConfig(output_dir=str(tmp_path / "run"), grad_accum_steps=3, dist_timeout_s=123)
+    assert isinstance(plumbing.build_accelerator(cfg), Recorder)
+    assert (started, checked) == ([], [2])
+    assert built["cpu"] is True and built["mixed_precision"] is None
+    plugin = built["gradient_accumulation_plugin"]
+    assert (plugin.num_steps, plugin.sync_with_dataloader) == (3, False)
+    assert built["dataloader_config"].non_blocking is False
+    assert built["log_with"] is None and built["project_dir"] == str(tmp_path / "run")
+    assert built["kwargs_handlers"][0].to_kwargs() == {}  # the defaults: nothing changed
+    assert (built["fsdp_plugin"], built["parallelism_config"]) == (None, None)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = RunConfig(
+        output_dir=str(tmp_path / "run"),
+        mixed_precision="bf16",
+        tracker="tensorboard",
+        dist_timeout_s=123,
+        static_graph=True,
+    )
+    plumbing.build_accelerator(cfg)
+    assert started == [123] and built["mixed_precision"] == "bf16"
+    assert built["log_with"] == ["tensorboard"]
+    assert built["kwargs_handlers"][0].to_kwargs() == {"static_graph": True}
