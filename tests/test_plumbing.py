@@ -270,3 +270,58 @@ def test_the_accelerator_is_built_from_the_config_on_cpu(tmp_path, monkeypatch):
     assert started == [123] and built["mixed_precision"] == "bf16"
     assert built["log_with"] == ["tensorboard"]
     assert built["kwargs_handlers"][0].to_kwargs() == {"static_graph": True}
+
+
+def test_the_process_group_starts_on_the_launcher_s_store_under_this_attempt_s_prefix(monkeypatch):
+    """What init_process_group asks of torch.distributed, recorded: the store at MASTER_ADDR:PORT for
+    WORLD_SIZE processes (hosted by rank 0 unless the elastic agent hosts it), keys under
+    attempt_<restart>, gloo on CPUs; NCCL on GPUs, each process on its LOCAL_RANK's GPU first."""
+    from datetime import timedelta
+
+    import plumbing
+
+    asked = []
+
+    def tcp_store(host, port, world_size, **options):
+        asked.append(("store", host, port, world_size, options))
+        return "tcp"
+
+    monkeypatch.setattr(plumbing.dist, "TCPStore", tcp_store)
+    monkeypatch.setattr(plumbing.dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    monkeypatch.setattr(
+        plumbing.dist,
+        "init_process_group",
+        lambda backend, **options: asked.append(("group", backend, options)),
+    )
+    monkeypatch.setattr(plumbing.torch.cuda, "is_available", lambda: False)
+    environ = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    plumbing.init_process_group(90)
+    timeout = timedelta(seconds=90)
+    store_options = {"is_master": True, "timeout": timeout, "multi_tenant": True}
+    group_options = {"store": ("attempt_0", "tcp"), "rank": 0, "world_size": 4, "timeout": timeout}
+    assert asked == [
+        ("store", "10.0.0.1", 29500, 4, store_options),
+        ("group", "gloo", group_options),
+    ]
+    asked.clear()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    plumbing.init_process_group(90)
+    assert asked[0][4]["is_master"] is False and asked[1][2]["store"] == ("attempt_3", "tcp")
+    asked.clear()
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    devices = []
+    monkeypatch.setattr(plumbing.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plumbing.torch.cuda, "set_device", devices.append)
+    plumbing.init_process_group(90)
+    assert devices == [1] and asked[0][4]["is_master"] is False
+    assert asked[1][1] == "nccl" and asked[1][2]["rank"] == 2
+    monkeypatch.delenv("LOCAL_RANK")
+    plumbing.init_process_group(90)
+    assert devices == [1, 0]
