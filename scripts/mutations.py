@@ -2336,7 +2336,9 @@ BREAKS = (
         "first - positions[first], first, ending))",
         (
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+            "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
         ),
+        quick=False,
     ),
     Break(
         "blind52g sft: a turn cut at the block's end (no end of turn) is counted",
@@ -2355,7 +2357,9 @@ BREAKS = (
         "max_new_tokens=longest - 1)",
         (
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+            "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
         ),
+        quick=False,
     ),
     Break(
         "blind52g sft: a row's exact turns overwritten, not summed (a packed block counts its last turn only)",
