@@ -2402,6 +2402,27 @@ BREAKS = (
         ),
     ),
     Break(
+        "blind52g sft: an eval set without a whole turn divides by zero (0 turns: ZeroDivisionError at the eval)",
+        "examples/chat_sft/model.py",
+        'if sums.get("turns"):',
+        'if "turns" in sums:',
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+            "tests/test_generate_columns.py::test_generate_eval_false_generates_nothing",
+        ),
+    ),
+    Break(
+        "blind52g sft: the turn counts join the per-token metrics (eval_turns, eval_turns_exact per token)",
+        "examples/chat_sft/model.py",
+        "for name in sums if name not in GENERATED}",
+        "for name in sums}",
+        (
+            "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
+            "tests/e2e/test_chat_sft.py::test_it_learns_and_its_eval_is_per_assistant_token_over_exactly_the_held_out_conversations",
+        ),
+        quick=False,
+    ),
+    Break(
         "blind52g rl: the eval scores without exact_answer (no eval_pass_rate unless it is a weighted reward)",
         "examples/rl/model.py",
         "score(rl, generated, with_pass=True)",
