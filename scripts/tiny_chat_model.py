@@ -76,9 +76,14 @@ def with_chat_template(tokenizer):
     return tokenizer
 
 
-def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0, positions: int = 64) -> Path:
+def save_tiny_llama(
+    folder: Path, vocab_size: int, seed: int = 0, positions: int = 64, **token_ids
+) -> Path:
     """A 2-layer Llama-style causal LM made from a config (41 k parameters at 320 tokens), random
-    weights, saved as a Hugging Face model folder (config.json, model.safetensors)."""
+    weights, saved as a Hugging Face model folder (config.json, generation_config.json,
+    model.safetensors). `token_ids` (bos_token_id, eos_token_id) go into both configs; without them
+    they are Llama's defaults (1 and 2). They change no weight (a pad_token_id would: Llama's
+    embedding zeroes that row and never trains it)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -90,6 +95,7 @@ def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0, positions: int
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=positions,
+        **token_ids,
     )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -98,8 +104,18 @@ def save_tiny_llama(folder: Path, vocab_size: int, seed: int = 0, positions: int
 
 def save_chat_model(folder: Path, tokenizer, positions: int = CHAT_POSITIONS) -> Path:
     """A tiny Llama sized to the chat tokenizer, with the tokenizer beside it as a hub checkpoint
-    has it: --hf_model FOLDER alone is enough."""
-    save_tiny_llama(folder, len(tokenizer), positions=positions)
+    has it: --hf_model FOLDER alone is enough. Its configs name the tokenizer's own special tokens,
+    as a hub chat model's do: generation ends at <|im_end|> (the end of an assistant's turn) or
+    <|endoftext|> (EOS, also the padding), so transformers' generate and TRL stop where the
+    template's generation does (train/chat.py's end_of_turn_ids); there is no BOS."""
+    from transformers import GenerationConfig
+
+    ends = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
+    save_tiny_llama(
+        folder, len(tokenizer), positions=positions, bos_token_id=None, eos_token_id=ends
+    )
+    # the padding in generation's config only (in the model's, the embedding would zero EOS's row)
+    GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.eos_token_id).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

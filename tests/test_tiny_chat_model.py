@@ -51,6 +51,14 @@ def test_it_writes_a_chat_model_folder_transformers_loads_and_says_what_to_run_n
     ids = tokenizer.apply_chat_template(conversation)["input_ids"]
     assert tokenizer.decode(ids) == rendered
     assert model(input_ids=torch.tensor([ids])).logits.shape == (1, len(ids), 322)
+    # generate (and TRL) stop where the template's generation does, not at Llama's default EOS 2
+    # (a byte here); EOS pads; no BOS
+    from chat import end_of_turn_ids
+
+    assert model.generation_config.eos_token_id == sorted(end_of_turn_ids(tokenizer))
+    assert model.generation_config.pad_token_id == tokenizer.eos_token_id
+    assert model.config.eos_token_id == sorted(end_of_turn_ids(tokenizer))
+    assert model.config.bos_token_id is None and model.generation_config.bos_token_id is None
     chats = [json.loads(line) for line in (out / "chats.jsonl").read_text().splitlines()]
     assert len(chats) == 96 and all(
         "assistant" in {m["role"] for m in c["messages"]} for c in chats
