@@ -336,3 +336,67 @@ def test_scripts_launch_writes_a_worker_s_traceback_whole():
     relayed = launch_script().relay([*workers, *summary], written)
     assert written.getvalue() == "".join(workers)
     assert relayed.failed_code == 1 and relayed.stopped_code is None
+
+
+@pytest.mark.parametrize(
+    "handled, passed_on",
+    [
+        (None, "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"),
+        ("SIGTERM, SIGINT,,", "SIGTERM,SIGINT,SIGUSR1"),
+        ("SIGUSR1,SIGTERM", "SIGUSR1,SIGTERM"),
+    ],
+)
+def test_scripts_launch_has_the_launcher_pass_sigusr1_on_too(handled, passed_on):
+    environment = {"PATH": "/bin"} if handled is None else {"PET_SIGNALS_TO_HANDLE": handled}
+    launched = launch_script().launcher_environment(environment)
+    assert launched == {**environment, "PET_SIGNALS_TO_HANDLE": passed_on}
+
+
+@pytest.mark.parametrize(
+    "output, launcher_code, code",
+    [
+        (["step 1\n"], 0, 0),  # the job ended well
+        (["Root Cause (first observed failure):\n", "  exitcode  : 2 (pid: 9)\n"], 1, 2),
+        ([STOPPED, "Root Cause (first observed failure):\n", "  exitcode  : 1 (pid: 9)\n"], 1, 75),
+        (["stopping at step 3 on SIGINT, checkpoint saved\n"], 1, 130),
+        (["Root Cause (first observed failure):\n", "  exitcode  : 1 (pid: 9)\n"], 1, 1),
+        (["killed\n"], -9, -9),  # nothing said: the launcher's own code
+    ],
+)
+def test_scripts_launch_exits_with_the_code_the_job_meant(monkeypatch, output, launcher_code, code):
+    """main() runs `python -m accelerate.commands.launch ARGS` with SIGUSR1 passed on, relays its
+    output, passes SIGTERM and SIGUSR1 on to it, leaves Ctrl-C to the process group, and exits with
+    the worker's own code (2, 75, 130) over the launcher's 1."""
+    launch = launch_script()
+    started, sent, handlers = [], [], {}
+
+    class Launcher:
+        def __init__(self, command, **options):
+            started.append((command, options))
+            self.stdout = iter(output)
+
+        def send_signal(self, signum):
+            sent.append(signum)
+
+        def wait(self):
+            return launcher_code
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Launcher)
+    monkeypatch.setattr(launch.signal, "signal", handlers.__setitem__)
+    monkeypatch.setattr(launch.sys, "stdout", io.StringIO())
+    assert launch.main(["--config_file", "c.yaml", "train/main.py"]) == code
+    ((command, options),) = started
+    assert command == [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "c.yaml",
+        "train/main.py",
+    ]
+    assert options["stdout"] == subprocess.PIPE and options["stderr"] == subprocess.STDOUT
+    assert options["text"] is True and "SIGUSR1" in options["env"]["PET_SIGNALS_TO_HANDLE"]
+    assert handlers[signal.SIGINT] == signal.SIG_IGN
+    handlers[signal.SIGTERM](signal.SIGTERM, None)
+    handlers[signal.SIGUSR1](signal.SIGUSR1, None)
+    assert sent == [signal.SIGTERM, signal.SIGUSR1]
