@@ -35,8 +35,9 @@ below, by these names (README "Make it yours"):
                                               (the prompt a user's turn); the summary says so
               rollout(model, micro_batches,   optional: the step's micro-batches made into what it
                       cfg, step)              trains on, each step before loss_items counts them:
-                                              RL generates from the current policy (the prepared
-                                              model) and rewards it (examples/rl). Returns
+                                              RL generates from the current policy (`model`: the
+                                              model itself, as generate_columns gets it) and
+                                              rewards it (examples/rl). Returns
                                               (micro_batches, {name: float}): the values are the
                                               step's own, logged on its line (the same on every
                                               rank). Every rank calls it at every step, so it may
@@ -160,13 +161,14 @@ def loss_counter():
 def rollout(model, micro_batches: list, cfg, step: int, watch) -> tuple[list, dict]:
     """model.py's optional `rollout(model, micro_batches, cfg, step)`: the micro-batches the step
     trains on, and values of the step's own for its log line; without one, the micro-batches as
-    fetched and no values. `step`: the optimizer steps done (a resume knows it: RL seeds its
-    sampling with it). A hang in it is named as the rollout's (hangs.py)."""
+    fetched and no values. It gets the model itself (DDP's wrapper off: generate is the
+    module's). `step`: the optimizer steps done (a resume knows it: RL seeds its sampling with
+    it). A hang in it is named as the rollout's (hangs.py)."""
     fork_rollout = getattr(fork_file("model"), "rollout", None)
     if fork_rollout is None:
         return micro_batches, {}
     watch.at("rollout (model.py)")
-    return fork_rollout(model, micro_batches, cfg, step)
+    return fork_rollout(unwrapped(model), micro_batches, cfg, step)
 
 
 def tokens_per_sample(cfg) -> int | None:

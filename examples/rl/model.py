@@ -87,7 +87,6 @@ import os
 import sys
 import time
 import types
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +100,10 @@ from chat import (
     evaluated,
     frozen_copy,
     say,
+    sharded,
+    up_to_the_end,
     weights_digest,
+    without_model_defaults,
 )
 from errors import ConfigError, RunError, first_line
 from lm import hugging_face_model, uses_hub_model
@@ -467,36 +469,6 @@ def generate(model, prompt_ids, prompt_mask, rl, seeds: list[int] | None = None)
     }
 
 
-def up_to_the_end(completion: torch.Tensor, ends: list[int]) -> torch.Tensor:
-    """(rows, tokens) 1 for each token up to and with the first end of turn (all of them where
-    none ends), 0 after."""
-    is_end = torch.isin(completion, torch.tensor(ends, device=completion.device)).long()
-    ended_before = is_end.cumsum(-1) - is_end
-    return (ended_before == 0).long()
-
-
-@contextmanager
-def without_model_defaults(model):
-    """generate fills what its config leaves unset from the model's generation_config (a hub
-    model's min_p, top_k, ...): within, the model has none, so the run's keys alone decide."""
-    from transformers import GenerationConfig
-
-    kept = model.generation_config
-    model.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        model.generation_config = kept
-
-
-def sharded(model) -> bool:
-    """Whether the model is sharded over several ranks (FSDP2): generate then keeps every rank's
-    decode forwards in step (synced_gpus)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule) and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def rollout_seed(seed: int, step: int, prompt: int, completion: int) -> int:
     """The sampling seed of one completion: the first 8 bytes (little-endian) of
     sha256("{seed}/{step}/{prompt}/{completion}"), mod 2^63; `prompt` the prompt's index in its
@@ -572,11 +544,10 @@ def weighted(rl, scores: dict) -> torch.Tensor:
 # ---------------------------------------------------------------- the rollout
 
 
-def rollout(model, micro_batches: list[dict], cfg, step: int) -> tuple[list[dict], dict]:
+def rollout(policy, micro_batches: list[dict], cfg, step: int) -> tuple[list[dict], dict]:
     """The step's micro-batches of prompts made into what it trains on (task.py calls it each
-    step; module docstring): G completions each from the current policy, their rewards and
-    advantages, and the step's values for its log line."""
-    policy = unwrapped(model)
+    step, with the model itself: DDP's wrapper off; module docstring): G completions each from
+    the current policy, their rewards and advantages, and the step's values for its log line."""
     rl = policy.rl
     generated_at = step - step % cfg.updates_per_rollout
     if rl.cached is not None and rl.cached[0] == generated_at:
@@ -598,15 +569,6 @@ def rollout(model, micro_batches: list[dict], cfg, step: int) -> tuple[list[dict
     rl.previous = (started, generation_s)
     rl.cached = (generated_at, batches, values) if cfg.updates_per_rollout > 1 else None
     return batches, values
-
-
-def unwrapped(model) -> nn.Module:
-    """The model itself: DDP's module, torch.compile's original (FSDP2 shards it in place)."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
 
 
 def sample_groups(policy, batch: dict, rl, step: int) -> dict:
