@@ -54,7 +54,7 @@ MODULES = {
         "tests/test_sharding.py",
         "tests/test_adapters.py",
     ],
-    "profiling": ["tests/test_profiling.py"],
+    "profiling": ["tests/test_profiling.py", "tests/test_tracking.py"],  # Throughput: test_tracking
     "adapters": ["tests/test_adapters.py", "tests/test_preference.py"],
     "lm": ["tests/test_lm.py", "tests/test_model.py", "tests/test_hugging_face.py"],
     "checks": [

@@ -375,3 +375,88 @@ def test_a_run_resumed_two_steps_before_the_window_opens_it_after_the_next_step(
     # record_shapes: each operator's input sizes are in the trace
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("Input Dims" in event.get("args", {}) for event in events)
+
+
+class PerfClock:
+    """profiling.time with a perf_counter the test moves."""
+
+    def __init__(self):
+        self.now = 50.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_the_throughput_s_rates_by_hand_on_cpu_and_on_a_listed_gpu(monkeypatch):
+    """8 samples of 64 tokens a step (512 tokens), 3 steps in 2 s: 12 samples/s, 768 tokens/s, 2/3 s a
+    step. On CPU no MFU: the peak resident memory (2 GiB: 2**21 KiB). On 2 H100s in bf16, the model's
+    6 x 20 parameters = 120 FLOPs a token: MFU 768 x 120 / (2 x 989e12), and the GPU's peak memory (3
+    GiB). A report restarts the count: nothing since, no division by zero."""
+    import profiling
+
+    clock = PerfClock()
+    monkeypatch.setattr(profiling, "time", clock)
+    monkeypatch.setattr(
+        profiling.resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=2**21)
+    )
+    meter = profiling.Throughput(8, 64, torch.nn.Linear(4, 4), 2, "bf16")
+    assert meter.seen(5) == {"samples_seen": 40, "tokens_seen": 2560}
+    for _ in range(3):
+        meter.step()
+    clock.now += 2.0
+    assert meter.report() == {
+        "samples_per_s": 12.0,
+        "step_time_s": 2 / 3,
+        "tokens_per_s": 768.0,
+        "peak_rss_gib": 2.0,
+    }
+    assert meter.report() == {
+        "samples_per_s": 0.0,
+        "step_time_s": 1e-9,
+        "tokens_per_s": 0.0,
+        "peak_rss_gib": 2.0,
+    }
+    samples_only = profiling.Throughput(8, None, torch.nn.Linear(4, 4), 1, "no")
+    assert samples_only.seen(5) == {"samples_seen": 40}
+    samples_only.step()
+    clock.now += 0.5
+    assert samples_only.report() == {"samples_per_s": 16.0, "step_time_s": 0.5, "peak_rss_gib": 2.0}
+    monkeypatch.setattr(profiling.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(profiling.torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(profiling.torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    on_gpus = profiling.Throughput(8, 64, torch.nn.Linear(4, 4), 2, "bf16")
+    assert (on_gpus.peak_flops, on_gpus.flops_per_token) == (2 * 989e12, 120)
+    for _ in range(3):
+        on_gpus.step()
+    clock.now += 2.0
+    assert on_gpus.report() == {
+        "samples_per_s": 12.0,
+        "step_time_s": 2 / 3,
+        "tokens_per_s": 768.0,
+        "mfu": 768.0 * 120 / (2 * 989e12),
+        "peak_mem_gib": 3.0,
+    }
+    in_fp32 = profiling.Throughput(8, 64, torch.nn.Linear(4, 4), 2, "no")
+    assert in_fp32.peak_flops is None  # MFU is against the bf16 peak: none for an fp32 run
+    monkeypatch.setattr(profiling.torch.cuda, "get_device_name", lambda: "NVIDIA GeForce GTX 1080")
+    assert profiling.Throughput(8, 64, torch.nn.Linear(4, 4), 2, "bf16").peak_flops is None
+
+
+@pytest.mark.parametrize(
+    "size, said",
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1000, "1.0 kB"),
+        (830_000, "830.0 kB"),
+        (999_999, "1000.0 kB"),
+        (1_000_000, "1.0 MB"),
+        (2_150_000, "2.1 MB"),
+        (1_000_000_000, "1.0 GB"),
+        (12_340_000_000, "12.3 GB"),
+    ],
+)
+def test_sizes_read_in_decimal_units_with_one_decimal(size, said):
+    from profiling import readable_size
+
+    assert readable_size(size) == said
