@@ -28,10 +28,11 @@ both sides, beta 0 (no reference), one update per rollout (TRL's num_iterations 
 loss_type of the same name) and --scale_rewards, AdamW betas (0.9, 0.999), weight decay 0, a constant
 learning rate, clipping at 1.0, fp32 (bf16 False), no gradient checkpointing, no vLLM, report_to none,
 the same end-of-turn tokens (TRL stops on the tokenizer's EOS and the model's generation_config
-eos_token_id: set to the template's end_of_turn_ids, <|endoftext|> and <|im_end|>; the folder's own is
-Llama's default 2, a byte). Not matched: the sampling RNG (the template seeds each rollout from
-(seed, step, rank, micro-batch), TRL draws from its global RNG), so the two sides sample different
-completions, and only the curves' shapes can be compared, not their values step by step.
+eos_token_id: the tiny model's folder names the template's end_of_turn_ids, <|endoftext|> and
+<|im_end|>, and the SFT export keeps them; checked). Not matched: the sampling RNG (the template
+seeds each rollout from (seed, step, rank, micro-batch), TRL draws from its global RNG), so the two
+sides sample different completions, and only the curves' shapes can be compared, not their values
+step by step.
 
 Timed: each optimizer step end to end (rollout, rewards, advantages, forward, backward, clipping,
 AdamW, the log row), the first --warm steps left out: the template's from its metrics.jsonl
@@ -107,13 +108,14 @@ def script(name: str):
     return module
 
 
-def make_inputs(args, work: Path) -> dict:
-    """The tiny chat model, the sort task, the two forks, and the SFT run both sides start from."""
+def make_inputs(args, work: Path, validation: int = 64) -> dict:
+    """The tiny chat model, the sort task (`validation` eval prompts), the two forks, and the SFT
+    run both sides start from."""
     tiny = script("tiny_chat_model")
     task = script("sort_words_task")
     tokenizer = tiny.with_chat_template(tiny.train_bpe_tokenizer(tiny.stdlib_texts()))
     tiny.save_chat_model(work / "tiny", tokenizer)
-    task.write_prompts(work / "task" / "prompts")
+    task.write_prompts(work / "task" / "prompts", validation=validation)
     task.write_sft_chats(work / "task" / "sft")
     sft_fork, rl_fork = make_fork(work, "chat_sft"), make_fork(work, "rl")
     started = time.perf_counter()
@@ -174,8 +176,9 @@ def train_prompts(work: Path) -> list[dict]:
 # ---------------------------------------------------------------- the two sides
 
 
-def run_template(args, work: Path, fork: Path, name: str) -> dict:
-    """`python train/main.py` in the RL fork, one process; per step its metrics.jsonl row's figures."""
+def run_template(args, work: Path, fork: Path, name: str, extra: tuple[str, ...] = ()) -> dict:
+    """`python train/main.py` in the RL fork, one process (`extra` flags after the bench's, so they
+    win); per step its metrics.jsonl row's figures, and its evaluations."""
     out = work / "runs" / name
     command = [
         sys.executable, "train/main.py",
@@ -190,7 +193,7 @@ def run_template(args, work: Path, fork: Path, name: str) -> dict:
         "--weight_decay", "0", "--beta1", "0.9", "--beta2", "0.999", "--max_grad_norm", "1.0",
         "--log_every", "1", "--eval_every", "1000000", "--save_every", "0",
         "--compile", "false", "--seed", str(args.seed),
-        "--output_dir", str(out),
+        "--output_dir", str(out), *extra,
     ]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(
@@ -215,6 +218,8 @@ def run_template(args, work: Path, fork: Path, name: str) -> dict:
         "shares": shares,
         "generation_s": [None if q is None else q * t for q, t in zip(shares, times, strict=True)],
         "final_eval": evals[-1] if evals else {},
+        "evals": evals,
+        "out": out,
         "wall": wall,
     }
 
@@ -289,10 +294,13 @@ def trl_worker(args) -> None:
     model_dir = str(work / "sft")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    # TRL ends a completion at the tokenizer's EOS and the model's generation_config eos_token_id
-    # (the folder's is Llama's default, 2: a byte of this tokenizer): the template's ends instead
-    model.generation_config.eos_token_id = sorted(end_of_turn_ids(tokenizer))
-    model.generation_config.bos_token_id = None
+    # TRL ends a completion at the tokenizer's EOS and the model's generation_config eos_token_id:
+    # the tiny model's folder names the template's ends there (scripts/tiny_chat_model.py), which
+    # the SFT export keeps; checked, not set
+    ends = model.generation_config.eos_token_id
+    ends = [ends] if isinstance(ends, int) else list(ends or [])
+    if sorted(ends) != sorted(end_of_turn_ids(tokenizer)):
+        sys.exit(f"the SFT export's generation_config ends at {ends}, not the template's ends")
     rows = train_prompts(work)
     count = args.steps * args.prompts
     ordered = [rows[i] for i in template_order(len(rows), args.seed, count, args.prompts)]
