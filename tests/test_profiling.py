@@ -460,3 +460,61 @@ def test_sizes_read_in_decimal_units_with_one_decimal(size, said):
     from profiling import readable_size
 
     assert readable_size(size) == said
+
+
+def test_the_window_s_line_counts_every_rank_s_files_and_bytes(tmp_path, capsys):
+    """say_written's line, by hand: this rank's trace of 1500 bytes; with every rank (a collective
+    that sums [files, bytes]: the other rank's 1 file of 2500 bytes) 2 files, 4.0 kB, named for ranks
+    0 to 1; at exit, this rank's alone and each other rank's; nothing from a rank but the main one;
+    on node-local disks, each node's folder."""
+
+    class Ranks:
+        device = torch.device("cpu")
+
+        def __init__(self, num_processes, is_main_process, others=(0, 0)):
+            self.process_index = 0 if is_main_process else 1
+            self.num_processes, self.is_main_process = num_processes, is_main_process
+            self.others, self.asked = others, []
+
+        def reduce(self, tensor, how):
+            self.asked.append((tensor.tolist(), tensor.dtype, tensor.device, how))
+            return {"sum": tensor + torch.tensor(self.others)}[how]
+
+    def window(plumbing, **cfg):
+        opened = ProfilerWindow(
+            RunConfig(output_dir=str(tmp_path), profile_steps="3:5", max_steps=8, **cfg),
+            plumbing,
+            resumed_step=0,
+        )
+        opened.first_recorded, opened.last_recorded = 3, 5
+        return opened
+
+    folder = tmp_path / "profile"
+    folder.mkdir()
+    trace = folder / "rank0.steps_3-5.pt.trace.json"
+    trace.write_bytes(b"x" * 1500)
+    memory = folder / "rank0.steps_3-5.memory.pickle"
+    memory.write_bytes(b"x" * 600)
+    window(Ranks(1, True)).say_written([trace], every_rank=True)
+    assert capsys.readouterr().out == (
+        f"profile: steps 3-5 traced in {folder} (1 file, 1.5 kB: rank0.steps_3-5.pt.trace.json; the "
+        "profiler's own messages: rank0.profiler.log)\n"
+    )
+    ranks = Ranks(2, True, others=(1, 2500))
+    window(ranks).say_written([trace], every_rank=True)
+    assert ranks.asked == [([1, 1500], torch.int64, torch.device("cpu"), "sum")]
+    assert capsys.readouterr().out == (
+        f"profile: steps 3-5 traced in {folder} (2 files, 4.0 kB: rank{{0..1}}.steps_3-5.pt.trace.json; "
+        "the profiler's own messages: rank{0..1}.profiler.log)\n"
+    )
+    at_exit = Ranks(2, True)
+    window(at_exit, shared_filesystem=False).say_written([trace, memory], every_rank=False)
+    assert at_exit.asked == []
+    assert capsys.readouterr().out == (
+        f"profile: steps 3-5 traced in {folder} on each node (2 files, 2.1 kB: "
+        "rank0.steps_3-5.pt.trace.json, rank0.steps_3-5.memory.pickle, and each other rank's; the "
+        "profiler's own messages: rank0.profiler.log)\n"
+    )
+    other = Ranks(2, False, others=(1, 1500))
+    window(other).say_written([trace], every_rank=True)
+    assert len(other.asked) == 1 and capsys.readouterr().out == ""
