@@ -518,3 +518,37 @@ def test_the_window_s_line_counts_every_rank_s_files_and_bytes(tmp_path, capsys)
     other = Ranks(2, False, others=(1, 1500))
     window(other).say_written([trace], every_rank=True)
     assert len(other.asked) == 1 and capsys.readouterr().out == ""
+
+
+def test_a_window_that_closes_on_its_last_step_counts_every_rank_and_one_closed_at_exit_not(
+    tmp_path, capsys
+):
+    """Two ranks (the other's reduce adds its 1 file): the window's last step closes it on every rank
+    together, so its line counts 2 files; a window closed at exit counts this rank's alone."""
+
+    class TwoRanks:
+        device = torch.device("cpu")
+        process_index, num_processes, is_main_process = 0, 2, True
+
+        def __init__(self):
+            self.reduced = 0
+
+        def reduce(self, tensor, how):
+            self.reduced += 1
+            return {"sum": tensor + torch.tensor([1, 0])}[how]
+
+    ranks = TwoRanks()
+    cfg = RunConfig(output_dir=str(tmp_path / "a"), profile_steps="2:3", max_steps=8)
+    steps(ProfilerWindow(cfg, ranks, resumed_step=0), 1, 4)
+    assert ranks.reduced == 1
+    said = capsys.readouterr().out
+    assert said.startswith(f"profile: steps 2-3 traced in {tmp_path / 'a' / 'profile'} (2 files, ")
+    assert "rank{0..1}.steps_2-3.pt.trace.json" in said
+    ranks = TwoRanks()
+    cfg = RunConfig(output_dir=str(tmp_path / "b"), profile_steps="2:5", max_steps=8)
+    window = ProfilerWindow(cfg, ranks, resumed_step=0)
+    steps(window, 1, 2)
+    window.close()  # at exit: this rank's own
+    assert ranks.reduced == 0
+    said = capsys.readouterr().out
+    assert " (1 file, " in said and "rank0.steps_2-2.pt.trace.json, and each other rank's;" in said
