@@ -328,3 +328,63 @@ def test_a_model_folder_without_weights_or_with_weights_of_other_shapes_is_one_l
     (folder / "model.safetensors.index.json").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"")
     checks.check_model_folder(str(folder), config)
+
+
+def model_cfg(**keys):
+    """The keys check_model_and_tokenizer reads, as the config gives them by default."""
+    defaults = dict(
+        hf_model="", tokenizer_name="bytes", tokenizer="", model_weights="pretrained", block_size=32
+    )
+    return SimpleNamespace(**{**defaults, **keys})
+
+
+def test_a_hub_model_s_tokenizer_and_positions_are_checked_in_whole_lines(
+    tmp_path, monkeypatch, tiny_llama, bpe_tokenizer, chat_tokenizer
+):
+    checked_folders = []
+    monkeypatch.setattr(
+        checks, "check_model_folder", lambda folder, c: checked_folders.append(folder)
+    )
+    checks.check_model_and_tokenizer(model_cfg())  # the GPT on bytes: nothing to resolve
+    llama = dict(hf_model=str(tiny_llama), tokenizer_name=str(bpe_tokenizer), tokenizer="x")
+    checks.check_model_and_tokenizer(model_cfg(**llama, block_size=64))  # 64 positions: all of them
+    assert checked_folders == [str(tiny_llama)]  # pretrained weights from a folder: read now
+    checks.check_model_and_tokenizer(model_cfg(**llama, model_weights="config"))
+    assert checked_folders == [str(tiny_llama)]  # fresh weights: no weights to check
+    assert refusal(checks.check_model_and_tokenizer, model_cfg(**llama, block_size=65)) == (
+        "block_size must be <= the model's 64 positions (got 65)"
+    )
+    checks.check_model_and_tokenizer(
+        SimpleNamespace(**{**vars(model_cfg(**llama)), "block_size": 0})
+    )
+    more = {**llama, "tokenizer_name": str(chat_tokenizer)}  # 320 + 2 tokens
+    assert refusal(checks.check_model_and_tokenizer, model_cfg(**more)) == (
+        f"tokenizer has 322 tokens, more than the 320 that model '{tiny_llama}' embeds "
+        f"(got '{chat_tokenizer}')"
+    )
+
+
+def test_a_model_without_a_positions_limit_takes_any_block_size(monkeypatch, bpe_tokenizer):
+    import transformers
+
+    unlimited = SimpleNamespace(vocab_size=320, max_position_embeddings=None)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda name: unlimited)
+    cfg = model_cfg(hf_model="hub/model", tokenizer_name=str(bpe_tokenizer), block_size=100_000)
+    checks.check_model_and_tokenizer(cfg)
+    without_the_key = SimpleNamespace(**{k: v for k, v in vars(cfg).items() if k != "block_size"})
+    checks.check_model_and_tokenizer(without_the_key)  # a fork's data.py may declare none
+
+
+def test_a_model_or_tokenizer_that_cannot_be_loaded_is_one_line_naming_it(tmp_path):
+    missing = tmp_path / "missing"
+    said = refusal(checks.check_model_and_tokenizer, model_cfg(hf_model=str(missing)))
+    assert said.startswith(f"hf_model '{missing}' could not be loaded: ") and "\n" not in said
+    tokenizer = tmp_path / "no_tokenizer"
+    tokenizer.mkdir()
+    own = model_cfg(tokenizer_name=str(tokenizer))  # the model's own, by default
+    said = refusal(checks.check_model_and_tokenizer, own)
+    assert said.startswith(f"tokenizer '{tokenizer}' could not be loaded: ")
+    assert said.endswith(" (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)")
+    named = model_cfg(tokenizer_name=str(tokenizer), tokenizer=str(tokenizer))
+    said = refusal(checks.check_model_and_tokenizer, named)
+    assert not said.endswith("NAME_OR_FOLDER)") and "\n" not in said
