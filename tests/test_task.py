@@ -409,6 +409,23 @@ def test_generate_columns_join_the_forward_s_columns_on_the_model_itself(monkeyp
     task.check_loss_contract(Wrapped(model), BATCH, RunConfig())  # a loss that agrees: passes
 
 
+def test_the_fork_s_generate_columns_gets_the_model_itself_from_under_compile_and_ddp(monkeypatch):
+    """torch.compile's wrapper (._orig_mod) is taken off as DDP's is (.module), in either order:
+    the fork's generate_columns gets the very module model.py built (its .rl, its generate)."""
+    model = torch.nn.Linear(1, 1)
+    seen = []
+
+    def generate_columns(model_given, batch, cfg):
+        seen.append(model_given)
+        return {"said": torch.ones(4)}
+
+    generating_fork(monkeypatch, generate_columns, classifier_columns)
+    compiled = torch.compile(model)  # lazy: nothing is compiled until it runs
+    for wrapper in (compiled, Wrapped(compiled), torch.compile(Wrapped(model))):
+        task.generate_columns(wrapper, BATCH, RunConfig())
+    assert len(seen) == 3 and all(given is model for given in seen)
+
+
 def test_an_eval_that_only_generates_needs_no_eval_columns_and_no_forward(monkeypatch):
     """RL's eval: generate_columns alone; check_fork_files asks for no eval_columns, and neither the
     start-up check nor an evaluation runs the forward on its batches."""
@@ -422,6 +439,20 @@ def test_an_eval_that_only_generates_needs_no_eval_columns_and_no_forward(monkey
     task.check_fork_files(RunConfig())
     task.check_loss_contract(model, BATCH, RunConfig())
     assert list(task.batch_columns(model, BATCH, RunConfig())) == ["prompts"]
+
+
+def test_a_task_that_only_generates_still_has_its_loss_items_checked_at_start_up(monkeypatch):
+    """No forward on its eval batches, but its training batches' loss_items still weigh each step:
+    a count that is no whole number is the same line as any task's, at start-up."""
+    model = torch.nn.Module()
+    fork_model = generating_fork(monkeypatch, lambda model, batch, cfg: {"prompts": torch.ones(4)})
+    fork_model.loss_items = lambda batch: 2.5
+    with pytest.raises(ConfigError) as refused:
+        task.check_loss_contract(model, BATCH, RunConfig())
+    assert str(refused.value) == (
+        "train/model.py: loss_items(batch) must return how many items .loss averages over, one "
+        "whole number (got a torch.float32 tensor of shape ())"
+    )
 
 
 @pytest.mark.parametrize(

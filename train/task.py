@@ -139,7 +139,9 @@ def unwrapped(model):
     shards the model in place: it stays sharded, and generate must keep every rank's forwards in
     step, synced_gpus)."""
     while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None)
+        if inner is None:  # not `or`: a compiled module's truth is its len(), which raises
+            inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
