@@ -2296,6 +2296,7 @@ BREAKS = (
         "position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),",
         "position_ids=prompt_mask.cumsum(-1),",
         (
+            "tests/test_chat.py::test_greedy_on_a_left_padded_batch_is_each_prompt_s_own_argmax_from_position_0",
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
             "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
         ),
@@ -2307,6 +2308,7 @@ BREAKS = (
         "    with without_model_defaults(model):\n",
         "    if True:\n",
         (
+            "tests/test_chat.py::test_greedy_is_the_plain_argmax_whatever_the_model_s_generation_config_says",
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
             "tests/test_chat.py::test_generation_defaults_are_set_aside_within_and_back_after_even_on_an_error",
         ),
@@ -2333,6 +2335,7 @@ BREAKS = (
         "synced_gpus=sharded(model),",
         "synced_gpus=False,",
         (
+            "tests/test_chat.py::test_a_sharded_model_generates_with_synced_gpus",
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
         ),
     ),

@@ -221,6 +221,82 @@ def test_generation_defaults_are_set_aside_within_and_back_after_even_on_an_erro
     assert chat.sharded(nn.Linear(2, 2)) is False
 
 
+def gpt2_of_learned_positions():
+    """A tiny GPT-2 from a config (offline), in float64: learned positions, so a prompt whose
+    positions are shifted generates other tokens (a rotary model sees only relative positions)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=40, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config).double().eval()
+
+
+def greedy_by_hand(model, prompt: list[int], end: int, max_new_tokens: int) -> list[int]:
+    """The test's own greedy decode of one prompt, alone: no padding, no cache, positions 0, 1, ...
+    (the model's own default), the argmax token by token, up to and with the end."""
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([prompt + new])).logits
+            new.append(int(logits[0, -1].argmax()))
+            if new[-1] == end:
+                break
+    return new
+
+
+PROMPTS = [[5, 17, 9], [7, 3, 29, 12, 18, 27, 33], [11, 4, 38, 21, 6]]  # left-padded: 4, 0, 2 pads
+
+
+def greedy_of_padded(model, end: int, pad: int, max_new_tokens: int) -> list[list[int]]:
+    """chat.greedy on PROMPTS as one left-padded batch, each row up to and with its end."""
+    longest = max(map(len, PROMPTS))
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        said = chat.greedy(model, ids, mask, [end], pad, max_new_tokens).tolist()
+    return [row[: row.index(end) + 1] if end in row else row for row in said]
+
+
+def test_greedy_on_a_left_padded_batch_is_each_prompt_s_own_argmax_from_position_0():
+    model = gpt2_of_learned_positions()
+    by_hand = [greedy_by_hand(model, prompt, end=0, max_new_tokens=8) for prompt in PROMPTS]
+    assert len({tuple(tokens) for tokens in by_hand}) == 3  # the prompts decode differently
+    assert greedy_of_padded(model, end=0, pad=1, max_new_tokens=8) == by_hand
+    # an end of turn each prompt says: greedy stops there (its row padded after)
+    end = by_hand[1][2]
+    by_hand = [greedy_by_hand(model, prompt, end=end, max_new_tokens=8) for prompt in PROMPTS]
+    assert greedy_of_padded(model, end=end, pad=1, max_new_tokens=8) == by_hand
+
+
+def test_greedy_is_the_plain_argmax_whatever_the_model_s_generation_config_says():
+    """A hub model's generation_config (here: suppress the first token greedy says, penalise
+    repeats) is set aside: greedy is still the test's own argmax, and the config is back after."""
+    from transformers import GenerationConfig
+
+    model = gpt2_of_learned_positions()
+    by_hand = [greedy_by_hand(model, prompt, end=0, max_new_tokens=8) for prompt in PROMPTS]
+    own = GenerationConfig(suppress_tokens=[by_hand[0][0]], repetition_penalty=5.0)
+    model.generation_config = own
+    assert greedy_of_padded(model, end=0, pad=1, max_new_tokens=8) == by_hand
+    assert model.generation_config is own
+
+
+def test_a_sharded_model_generates_with_synced_gpus(monkeypatch):
+    """Under FSDP2 (sharded: here forced) generate keeps every rank's forwards in step."""
+    asked = []
+
+    def generate(input_ids, **kwargs):
+        asked.append(kwargs)
+        return torch.cat([input_ids, torch.zeros(len(input_ids), 2, dtype=torch.long)], -1)
+
+    model = SimpleNamespace(generation_config=None, generate=generate)
+    ids = torch.tensor([[3, 4]])
+    for sharded in (True, False):
+        monkeypatch.setattr(chat, "sharded", lambda model, sharded=sharded: sharded)
+        assert chat.greedy(model, ids, torch.ones_like(ids), [0], 1, 2).tolist() == [[0, 0]]
+    assert [kwargs["synced_gpus"] for kwargs in asked] == [True, False]
+
+
 def test_the_reference_is_a_frozen_copy_in_eval_mode_and_the_model_is_untouched():
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).train()
     frozen = chat.frozen_copy(model)
