@@ -30,7 +30,7 @@ learning rate, clipping at 1.0, fp32 (bf16 False), no gradient checkpointing, no
 the same end-of-turn tokens (TRL stops on the tokenizer's EOS and the model's generation_config
 eos_token_id: the tiny model's folder names the template's end_of_turn_ids, <|endoftext|> and
 <|im_end|>, and the SFT export keeps them; checked). Not matched: the sampling RNG (the template
-seeds each rollout from (seed, step, rank, micro-batch), TRL draws from its global RNG), so the two
+seeds each completion from (seed, step, prompt index, completion index), TRL draws from its global RNG), so the two
 sides sample different completions, and only the curves' shapes can be compared, not their values
 step by step.
 
