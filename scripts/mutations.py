@@ -2365,6 +2365,7 @@ BREAKS = (
         "first - positions[first], first, ending + 1))",
         "first - positions[first], first, ending))",
         (
+            "tests/test_generate_columns.py::test_a_turn_is_exact_with_its_end_of_turn_and_the_longest_turn_can_be",
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
             "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
         ),
@@ -2386,6 +2387,7 @@ BREAKS = (
         "max_new_tokens=longest)",
         "max_new_tokens=longest - 1)",
         (
+            "tests/test_generate_columns.py::test_a_turn_is_exact_with_its_end_of_turn_and_the_longest_turn_can_be",
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
             "tests/e2e/test_rl_runs.py::test_the_sft_run_s_answer_exact_is_the_export_s_own_greedy_count_turn_by_turn",
         ),
@@ -2428,6 +2430,7 @@ BREAKS = (
         "if sharded(model):",
         "if False:",
         (
+            "tests/test_generate_columns.py::test_a_sharded_rank_without_a_whole_turn_still_generates_once",
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
         ),
     ),
@@ -2437,6 +2440,7 @@ BREAKS = (
         'if sums.get("turns"):',
         'if "turns" in sums:',
         (
+            "tests/test_generate_columns.py::test_an_eval_set_without_a_whole_turn_reports_the_per_token_metrics_alone",
             "tests/test_generate_columns.py::test_each_conversation_a_row_counts_its_whole_turns_and_those_generated_exactly",
             "tests/test_generate_columns.py::test_generate_eval_false_generates_nothing",
         ),

@@ -3,10 +3,14 @@ greedily from its conversation before it, counted per turn and matched token for
 model (its end-of-turn logit raised at every position) answers every turn with the end of turn
 alone, so the test knows which turns match without the example's code: the empty answers. Packed
 blocks (several conversations a row, positions restarting) and one conversation a row (padded) give
-the same counts; a turn cut at block_size is not counted. (End to end, tests/e2e/test_rl_runs.py
+the same counts; a turn cut at block_size is not counted. An oracle model (its next token set after
+each token of one answer) says that answer to every turn: exact with its end of turn, a prefix of it
+not, and the batch's longest turn too. (End to end, tests/e2e/test_rl_runs.py
 compares the SFT run's eval_answer_exact with the export's own greedy decode, turn by turn.)"""
 
+import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,9 +72,9 @@ def rigged(chat_llama):
     return model_file, data_file, cfg, model, tokenizer
 
 
-def batch_of(data_file, tokenizer, packing: bool) -> dict:
+def batch_of(data_file, tokenizer, packing: bool, conversations=CONVERSATIONS) -> dict:
     blocks = data_file.pack_conversations(
-        {"messages": CONVERSATIONS}, tokenizer, BLOCK_SIZE, packing=packing
+        {"messages": conversations}, tokenizer, BLOCK_SIZE, packing=packing
     )
     rows = [
         {name: torch.tensor(blocks[name][k]) for name in data_file.COLUMNS}
@@ -129,3 +133,87 @@ def test_the_prompts_are_each_turn_s_conversation_before_it(rigged, monkeypatch)
                 )
     expected = [ids if isinstance(ids, list) else ids["input_ids"] for ids in expected]
     assert asked == expected
+
+
+def saying_next(model, following: dict[int, int]):
+    """An oracle: the model's next token after each token of `following` is the one it names, as
+    a hook on the whole model sets its logits (whatever the cache gives it: a function of the
+    last input token alone); after any other token, the model's own."""
+
+    def forced(module, args, kwargs, output):
+        logits = output.logits.clone()
+        ids = kwargs["input_ids"][:, -logits.size(1) :]  # generate keeps the last position's alone
+        for token, next_token in following.items():
+            logits[..., next_token] += 1000.0 * (ids == token)
+        output.logits = logits
+        return output
+
+    model.register_forward_hook(forced, with_kwargs=True)
+    return model
+
+
+# the oracle says "text width" and the end of turn to any assistant turn
+ORACLE_CONVERSATIONS = [
+    chat("sort: width text", "text width"),  # 1 turn, said exactly, with its end of turn
+    chat("first", "text"),  # 1 turn, said and then not ended ("text width"): not exact
+    chat("one", "text width", "two", "no"),  # 2 turns, the first exact
+]
+ORACLE_EXPECTED = {"turns": [1, 1, 2], "turns_exact": [1, 0, 1]}
+
+
+def test_a_turn_is_exact_with_its_end_of_turn_and_the_longest_turn_can_be(rigged):
+    """An oracle model that answers every turn "text width" and its end of turn (the chain of next
+    tokens read off the first conversation's labelled tokens): the turns that say exactly that are
+    exact, "text" (its tokens said, then more instead of the end) is not; the exact turn is the
+    batch's longest, so greedy needs room for all of its tokens."""
+    model_file, data_file, cfg, _, tokenizer = rigged
+    batch = batch_of(data_file, tokenizer, packing=False, conversations=ORACLE_CONVERSATIONS)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokens = batch["input_ids"][0].tolist()
+    first = (batch["labels"][0] != -100).nonzero()[0].item()
+    chain = tokens[
+        first - 1 : tokens.index(end, first) + 1
+    ]  # the generation prompt's last, the answer
+    assert len(set(chain)) == len(chain)  # a chain: each token names one next
+    said = [tokenizer.encode(text + "<|im_end|>") for text in ("text width", "text", "no")]
+    assert said[0] == chain[1:] and len(said[0]) > max(len(said[1]), len(said[2]))  # the longest
+    model = model_file.build_model(cfg).eval()
+    saying_next(model, dict(zip(chain, chain[1:], strict=False)))
+    columns = model_file.generate_columns(model, batch, cfg)
+    assert {name: values.tolist() for name, values in columns.items()} == ORACLE_EXPECTED
+
+
+def test_a_sharded_rank_without_a_whole_turn_still_generates_once(rigged, monkeypatch):
+    """Under FSDP2 (sharded: here forced) every rank runs as many generate calls, so a batch
+    without a whole turn runs one of a single token, counting nothing; every call with
+    synced_gpus."""
+    import chat
+
+    model_file, data_file, cfg, _, tokenizer = rigged
+    asked = []
+
+    def generate(input_ids, **kwargs):  # no process group here: what it is asked, no more
+        asked.append({"input_ids": input_ids, **kwargs})
+        new = kwargs["generation_config"].max_new_tokens
+        return torch.cat([input_ids, torch.zeros(len(input_ids), new, dtype=torch.long)], -1)
+
+    recording = SimpleNamespace(generation_config=None, generate=generate)
+    monkeypatch.setattr(model_file, "sharded", lambda model: True)
+    monkeypatch.setattr(chat, "sharded", lambda model: True)
+    # the cut turn and the one past the block's end: no whole turn in either row
+    no_whole_turn = batch_of(data_file, tokenizer, packing=False, conversations=CONVERSATIONS[3:])
+    columns = model_file.generate_columns(recording, no_whole_turn, cfg)
+    assert {name: values.tolist() for name, values in columns.items()} == {
+        "turns": [0, 0],
+        "turns_exact": [0, 0],
+    }
+    assert len(asked) == 1
+    assert asked[0]["generation_config"].max_new_tokens == 1
+    assert asked[0]["input_ids"].shape == (1, 1) and asked[0]["synced_gpus"] is True
+
+
+def test_an_eval_set_without_a_whole_turn_reports_the_per_token_metrics_alone(rigged):
+    model_file, _, cfg, _, _ = rigged
+    sums = {"loss": 6.0, "correct": 3.0, "tokens": 4.0, "turns": 0.0, "turns_exact": 0.0}
+    metrics = model_file.eval_metrics(sums, cfg)
+    assert metrics == pytest.approx({"loss": 1.5, "correct": 0.75, "perplexity": math.exp(1.5)})
