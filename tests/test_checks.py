@@ -101,6 +101,7 @@ def test_an_empty_or_missing_dataset_path_is_one_whole_line(tmp_path, monkeypatc
     not_there = "dataset is not an existing file or folder (got {!r})"
     for path in (
         "/no/such/corpus",
+        "/corpus",
         "~corpus",
         "a.txt",
         "a.json",
@@ -232,6 +233,9 @@ def test_unreadable_data_names_the_first_line_that_does_not_parse(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('{"text": "a"}\n\n')
     assert checks.first_bad_json_line(good) is None
+    not_utf8 = tmp_path / "latin1.jsonl"
+    not_utf8.write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
+    assert checks.first_bad_json_line(not_utf8) == 2  # read as bytes: the bad line is named
     cause = ValueError("JSON parse error: Missing a name\nsecond line")
     error = RuntimeError("An error occurred while generating the dataset")
     error.__cause__ = cause
@@ -346,6 +350,7 @@ def test_a_hub_model_s_tokenizer_and_positions_are_checked_in_whole_lines(
         checks, "check_model_folder", lambda folder, c: checked_folders.append(folder)
     )
     checks.check_model_and_tokenizer(model_cfg())  # the GPT on bytes: nothing to resolve
+    checks.check_model_and_tokenizer(model_cfg(tokenizer_name=str(bpe_tokenizer)))  # no hub model
     llama = dict(hf_model=str(tiny_llama), tokenizer_name=str(bpe_tokenizer), tokenizer="x")
     checks.check_model_and_tokenizer(model_cfg(**llama, block_size=64))  # 64 positions: all of them
     assert checked_folders == [str(tiny_llama)]  # pretrained weights from a folder: read now
@@ -367,24 +372,34 @@ def test_a_hub_model_s_tokenizer_and_positions_are_checked_in_whole_lines(
 def test_a_model_without_a_positions_limit_takes_any_block_size(monkeypatch, bpe_tokenizer):
     import transformers
 
-    unlimited = SimpleNamespace(vocab_size=320, max_position_embeddings=None)
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda name: unlimited)
     cfg = model_cfg(hf_model="hub/model", tokenizer_name=str(bpe_tokenizer), block_size=100_000)
-    checks.check_model_and_tokenizer(cfg)
+    for unlimited in (
+        SimpleNamespace(vocab_size=320, max_position_embeddings=None),
+        SimpleNamespace(vocab_size=320),  # a config without the key
+    ):
+        monkeypatch.setattr(
+            transformers.AutoConfig, "from_pretrained", lambda name, unlimited=unlimited: unlimited
+        )
+        checks.check_model_and_tokenizer(cfg)
     without_the_key = SimpleNamespace(**{k: v for k, v in vars(cfg).items() if k != "block_size"})
     checks.check_model_and_tokenizer(without_the_key)  # a fork's data.py may declare none
 
 
 def test_a_model_or_tokenizer_that_cannot_be_loaded_is_one_line_naming_it(tmp_path):
+    from transformers import AutoConfig
+
     missing = tmp_path / "missing"
     said = refusal(checks.check_model_and_tokenizer, model_cfg(hf_model=str(missing)))
-    assert said.startswith(f"hf_model '{missing}' could not be loaded: ") and "\n" not in said
+    with pytest.raises(Exception) as transformers_says:  # what transformers says, its first line
+        AutoConfig.from_pretrained(str(missing))
+    first = str(transformers_says.value).strip().splitlines()[0]
+    assert said == f"hf_model '{missing}' could not be loaded: {first}"
     tokenizer = tmp_path / "no_tokenizer"
     tokenizer.mkdir()
     own = model_cfg(tokenizer_name=str(tokenizer))  # the model's own, by default
     said = refusal(checks.check_model_and_tokenizer, own)
     assert said.startswith(f"tokenizer '{tokenizer}' could not be loaded: ")
-    assert said.endswith(" (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)")
+    hint = " (the model's own, by default: pass --tokenizer NAME_OR_FOLDER)"
+    assert said.endswith(hint)
     named = model_cfg(tokenizer_name=str(tokenizer), tokenizer=str(tokenizer))
-    said = refusal(checks.check_model_and_tokenizer, named)
-    assert not said.endswith("NAME_OR_FOLDER)") and "\n" not in said
+    assert refusal(checks.check_model_and_tokenizer, named) == said.removesuffix(hint)
