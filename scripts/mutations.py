@@ -2462,6 +2462,7 @@ BREAKS = (
         "score(rl, generated, with_pass=True)",
         "score(rl, generated)",
         (
+            "tests/test_rl.py::test_the_eval_s_pass_rate_and_tokens_need_no_weighted_exact_answer_and_count_the_end",
             "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
         ),
     ),
@@ -2471,6 +2472,7 @@ BREAKS = (
         '"completion_tokens": generated["mask"].sum(-1),',
         '"completion_tokens": (generated["completion"] != rl.pad_id).sum(-1),',
         (
+            "tests/test_rl.py::test_the_eval_s_pass_rate_and_tokens_need_no_weighted_exact_answer_and_count_the_end",
             "tests/test_rl.py::test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eval_set",
         ),
     ),
@@ -2573,6 +2575,7 @@ BREAKS = (
         'rows = rows.add_column("prompt_index", list(range(len(rows))))',
         'rows = rows.add_column("prompt_index", [0] * len(rows))',
         (
+            "tests/test_rl.py::test_each_split_s_prompts_are_indexed_0_1_2_in_the_file_s_order",
             "tests/test_rl.py::test_a_prompt_samples_the_same_tokens_alone_and_in_a_batch_at_another_row",
             "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
         ),

@@ -7,8 +7,10 @@ mean and stdev); the log-probs recorded at generation against a forward of the s
 policy as it is at that step (after an update, not before); the same (seed, step, prompt) giving the
 same tokens; each sampled token the argmax of its tempered, top_p-filtered log-probs plus Gumbel noise
 from its completion's own seed, both worked out here; a prompt's completions the same alone and at
-another row of a padded batch; Gumbel-max's frequencies against softmax(logits / temperature); and
-each bad input's one line. No download: the tiny chat Llama of conftest."""
+another row of a padded batch; each split's prompt_index against the file's order; the eval's
+pass_rate and completion_tokens against an oracle model's known completion; Gumbel-max's
+frequencies against softmax(logits / temperature); and each bad input's one line. No download: the
+tiny chat Llama of conftest."""
 
 import hashlib
 import json
@@ -529,6 +531,21 @@ AROUND = [
 ]
 
 
+def test_each_split_s_prompts_are_indexed_0_1_2_in_the_file_s_order(chat_llama, tmp_path):
+    """prompt_index, the prompt's identity its completions are seeded from, is its place in its
+    split: 0, 1, ... down train.jsonl, and again down validation.jsonl (the eval set)."""
+    train_answers = ["alpha river", "ember maple", "cloud", "a b", "tiger"]
+    eval_answers = ["ocean", "lunar pixel", "river"]
+    for name, answers in (("train", train_answers), ("validation", eval_answers)):
+        rows = [{"prompt": f"sort: {answer}", "answer": answer} for answer in answers]
+        write_jsonl(tmp_path / "prompts" / f"{name}.jsonl", rows)
+    cfg = Cfg(hf_model=str(chat_llama), dataset=str(tmp_path / "prompts"))
+    train, held_out = example("data").build_datasets(cfg)
+    for split, answers in ((train, train_answers), (held_out, eval_answers)):
+        assert [row["prompt_index"] for row in split] == list(range(len(answers)))
+        assert [bytes(row["answer_bytes"]).decode() for row in split] == answers
+
+
 def test_a_prompt_samples_the_same_tokens_alone_and_in_a_batch_at_another_row(chat_llama):
     """Prompt 12 of the split, G = 4: alone (a batch of one, no padding) and as the third row of a
     batch with a shorter and a longer prompt (left-padded), in the second micro-batch: the same
@@ -676,6 +693,59 @@ def test_the_eval_is_each_prompt_s_greedy_completion_scored_over_exactly_the_eva
     assert metrics["pass_rate"] == sum(exact) / 4
     assert metrics["reward_word_order"] == pytest.approx(sum(order) / 4, rel=1e-12)
     assert metrics["reward_same_words"] == sum(same) / 4
+
+
+def saying(model, tokens: list[int]):
+    """An oracle: after each token of `tokens` the model says the next (its logits set by hooks on
+    its embedding, which reads the input ids, and its head, whatever calls its forward); after any
+    other token, its own."""
+    following = dict(zip(tokens, tokens[1:], strict=False))
+    seen = {}
+    model.model.embed_tokens.register_forward_pre_hook(lambda m, args: seen.update(ids=args[0]))
+
+    def forced(module, args, logits):
+        logits = logits.clone()
+        ids = seen["ids"][:, -logits.size(1) :]  # generate keeps the last position's alone
+        for token, next_token in following.items():
+            logits[..., next_token] += 1000.0 * (ids == token)
+        return logits
+
+    model.lm_head.register_forward_hook(forced)
+    return model
+
+
+def test_the_eval_s_pass_rate_and_tokens_need_no_weighted_exact_answer_and_count_the_end(
+    chat_llama,
+):
+    """With --reward_weights word_order:1 (no exact_answer in it), pass_rate is still the share of
+    greedy completions that are their answer; completion_tokens count the end of turn, here EOS,
+    which is also the padding: an oracle says "42" and EOS to every prompt, 2 + 1 tokens."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), max_new_tokens=6, reward_weights="word_order:1")
+    model = rl_model.build_model(cfg).eval()
+    tokenizer = model.rl.tokenizer
+    assert model.rl.pad_id == tokenizer.eos_token_id  # the tokenizer has no padding of its own
+    asked = [{"role": "user", "content": "?"}]
+    prompt_end = tokenizer.encode(
+        tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=False)
+    )  # every prompt ends as the generation prompt does
+    forty_two = tokenizer.encode("42")
+    assert len(forty_two) == 2
+    saying(model, [prompt_end[-1], *forty_two, tokenizer.eos_token_id])
+    prompts = ["sort: river alpha", "sort: maple ocean ember tiger"]
+    answers = ["42", "41"]
+    said = [greedy_alone(model, tokenizer, prompt, cfg.max_new_tokens) for prompt in prompts]
+    assert said == ["42", "42"]  # the test's own decode: the oracle says what it was told
+    batch = prompt_batch(cfg, list(zip(prompts, answers, strict=True)))
+    sums = {
+        name: values.sum().item()
+        for name, values in rl_model.generate_columns(model, batch, cfg).items()
+    }
+    metrics = rl_model.eval_metrics(sums, cfg)
+    passed = [text == answer for text, answer in zip(said, answers, strict=True)]
+    assert metrics["pass_rate"] == sum(passed) / 2 == 0.5
+    assert metrics["reward"] == metrics["reward_word_order"] == 0.5  # "42": 1 word of 1 in place
+    assert metrics["completion_tokens"] == 3.0  # "4", "2" and EOS
 
 
 # ---------------------------------------------------------------- bad input, one line
