@@ -2118,7 +2118,7 @@ BREAKS = (
     Break(
         "rl e2e: under FSDP2 generate runs without synced_gpus (a rank whose completions end first stops "
         "its decode forwards: the others hang in the all-gather)",
-        "examples/rl/model.py",
+        "train/chat.py",
         "synced_gpus=sharded(model),",
         "synced_gpus=False,",
         (
@@ -2561,9 +2561,9 @@ BREAKS = (
     ),
     Break(
         "blind52s rl: generate samples again from the noisy scores (do_sample on: the global RNG decides)",
-        "examples/rl/model.py",
+        "train/chat.py",  # greedy, which the RL example's generate calls with its sampler
         "do_sample=False,",
-        "do_sample=sampled,",
+        "do_sample=bool(processors),",
         (
             "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
             "tests/test_rl.py::test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_gumbel_noise",

@@ -381,13 +381,17 @@ def end_of_turn_ids(tokenizer) -> set[int]:
 # ---------------------------------------------------------------- generating
 
 
-def greedy(model, prompt_ids, prompt_mask, ends: list[int], pad_id: int, max_new_tokens: int):
+def greedy(
+    model, prompt_ids, prompt_mask, ends: list[int], pad_id: int, max_new_tokens: int, processors=()
+):
     """(rows, new tokens): each prompt's greedy continuation, up to max_new_tokens or its end of
-    turn (then pad_id). The prompts are left-padded (prompt_mask 0), each one's positions counted
-    from its first token, as training counts them, so a prompt generates alike whatever its
-    padding. Only these keys decide (the model's own generation_config, a hub model's sampling
-    defaults, is left out), and under FSDP2 every rank runs as many forwards (synced_gpus)."""
-    from transformers import GenerationConfig
+    turn (then pad_id): the argmax of the logits, or of what `processors` (transformers' logits
+    processors, in order) make of them (a sampler as the last makes it sampling: examples/rl).
+    The prompts are left-padded (prompt_mask 0), each one's positions counted from its first
+    token, as training counts them, so a prompt generates alike whatever its padding. Only these
+    keys decide (the model's own generation_config, a hub model's sampling defaults, is left
+    out), and under FSDP2 every rank runs as many forwards (synced_gpus)."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -410,6 +414,7 @@ def greedy(model, prompt_ids, prompt_mask, ends: list[int], pad_id: int, max_new
             attention_mask=prompt_mask,
             position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
             generation_config=config,
+            logits_processor=LogitsProcessorList(processors),
             synced_gpus=sharded(model),
         )
     return output[:, prompt_ids.size(1) :]

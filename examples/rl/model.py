@@ -99,11 +99,10 @@ from chat import (
     end_of_turn_ids,
     evaluated,
     frozen_copy,
+    greedy,
     say,
-    sharded,
     up_to_the_end,
     weights_digest,
-    without_model_defaults,
 )
 from errors import ConfigError, RunError, first_line
 from lm import hugging_face_model, uses_hub_model
@@ -427,39 +426,15 @@ def generate(model, prompt_ids, prompt_mask, rl, seeds: list[int] | None = None)
     {"completion": (rows, tokens), "mask": what counts of each (up to and with its end of turn),
     "logps": each sampled token's log-prob at generation (sampled only), "prompt_ids",
     "prompt_mask"}."""
-    from transformers import GenerationConfig, LogitsProcessorList
-
     cfg = rl.cfg
     sampled = seeds is not None
     recorder = GenerationLogps(cfg.temperature)
     processors = []
     if sampled:
         processors = [recorder, GumbelSampler(seeds, cfg.temperature, cfg.top_p)]
-    config = GenerationConfig(
-        max_new_tokens=cfg.max_new_tokens,
-        do_sample=False,
-        # every other knob neutral: the model's own generation_config fills only what is unset
-        temperature=1.0,
-        top_p=1.0,
-        top_k=None,  # None: greedy (0 would be a flag greedy warns about)
-        min_p=None,
-        typical_p=1.0,
-        repetition_penalty=1.0,
-        no_repeat_ngram_size=0,
-        eos_token_id=rl.ends,
-        pad_token_id=rl.pad_id,
-        use_cache=True,
+    completion = greedy(
+        model, prompt_ids, prompt_mask, rl.ends, rl.pad_id, cfg.max_new_tokens, processors
     )
-    with without_model_defaults(model):
-        output = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-            generation_config=config,
-            logits_processor=LogitsProcessorList(processors),
-            synced_gpus=sharded(model),
-        )
-    completion = output[:, prompt_ids.size(1) :]
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
