@@ -400,3 +400,27 @@ def test_scripts_launch_exits_with_the_code_the_job_meant(monkeypatch, output, l
     handlers[signal.SIGTERM](signal.SIGTERM, None)
     handlers[signal.SIGUSR1](signal.SIGUSR1, None)
     assert sent == [signal.SIGTERM, signal.SIGUSR1]
+
+
+def test_scripts_launch_decides_whose_traceback_it_is_from_its_first_four_lines():
+    """By hand: a launcher frame within the first four lines held after `Traceback` makes it the
+    launcher's (dropped to the end); a fifth line without one makes it the worker's (written, and what
+    follows too); a worker's traceback cut short at the end is still written; an exit code outside
+    the summary's Root Cause is not the failed worker's."""
+    worker = '  File "/home/me/train/main.py", line 3, in f\n'
+    launcher = f'  File "{SITE}/torch/distributed/run.py", line 9, in main\n'
+    fifth_is_launchers = ["Traceback (most recent call last):\n", worker, "    g()\n", "    ^^^\n"]
+    fifth_is_launchers += [launcher, "    raise\n", "ChildFailedError:\n"]
+    written = io.StringIO()
+    launch_script().relay(["before\n", *fifth_is_launchers], written)
+    assert written.getvalue() == "before\n"
+    sixth_is_launchers = ["Traceback (most recent call last):\n", worker, "    g()\n", worker]
+    sixth_is_launchers += ["    h()\n", launcher, "    raise\n", "RuntimeError: x\n"]
+    written = io.StringIO()
+    launch_script().relay(sixth_is_launchers, written)
+    assert written.getvalue() == "".join(sixth_is_launchers)
+    cut_short = ["Traceback (most recent call last):\n", worker, "RuntimeError: x\n"]
+    written = io.StringIO()
+    relayed = launch_script().relay([*cut_short, "  exitcode  : 2 (pid: 9)\n"], written)
+    assert written.getvalue() == "".join(cut_short) + "  exitcode  : 2 (pid: 9)\n"
+    assert relayed.failed_code is None  # no Root Cause: not the summary's
