@@ -2270,8 +2270,12 @@ BREAKS = (
     Break(
         "blind52g task: a generate-only task's loss_items is not checked at start-up (traceback at step 1)",
         "train/task.py",
-        "    check_loss_items(batch)\n    if not forward:  # no forward on eval batches: the training batches' .loss is the step's\n        return\n",
-        "    if not forward:  # no forward on eval batches: the training batches' .loss is the step's\n        return\n    check_loss_items(batch)\n",
+        "    check_loss_items(batch)\n"
+        "    if not forward:  # no forward on eval batches: the training batches' .loss is the step's\n"
+        "        return\n",
+        "    if not forward:  # no forward on eval batches: the training batches' .loss is the step's\n"
+        "        return\n"
+        "    check_loss_items(batch)\n",
         (
             "tests/test_task.py::test_an_eval_that_only_generates_needs_no_eval_columns_and_no_forward",
             "tests/test_task.py::test_loss_items_that_fail_or_do_not_count_are_whole_lines",
@@ -2500,7 +2504,8 @@ BREAKS = (
         ),
     ),
     Break(
-        "blind52s rl: the seeds listed g-major while the rows are prompt-major (a row samples with another prompt's seed)",
+        "blind52s rl: the seeds listed g-major while the rows are prompt-major (a row samples with another "
+        "prompt's seed)",
         "examples/rl/model.py",
         '        for prompt in batch["prompt_index"].tolist()\n        for g in range(groups)\n',
         '        for g in range(groups)\n        for prompt in batch["prompt_index"].tolist()\n',
