@@ -398,13 +398,15 @@ def test_generate_columns_join_the_forward_s_columns_on_the_model_itself(monkeyp
     seen = []
 
     def generate_columns(model_given, batch, cfg):
-        seen.append(model_given)
+        seen.append((model_given, batch, cfg))
         return {"said_right": torch.tensor([1.0, 0.0, 1.0, 1.0])}
 
     generating_fork(monkeypatch, generate_columns, classifier_columns)
-    columns = task.batch_columns(Wrapped(model), BATCH, RunConfig())
+    cfg = RunConfig()
+    columns = task.batch_columns(Wrapped(model), BATCH, cfg)
     assert sorted(columns) == ["loss", "right", "said_right", "samples"]
-    assert seen == [model]  # not the wrapper
+    # the model itself (not the wrapper), the eval batch and the run's config, as given
+    assert len(seen) == 1 and seen[0][0] is model and seen[0][1] is BATCH and seen[0][2] is cfg
     assert columns["said_right"].tolist() == [1.0, 0.0, 1.0, 1.0]
     task.check_loss_contract(Wrapped(model), BATCH, RunConfig())  # a loss that agrees: passes
 
