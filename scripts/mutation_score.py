@@ -36,7 +36,12 @@ MODULES = {
     "config": ["tests/test_config.py", "tests/test_launch_configs.py"],
     "sources": ["tests/test_mixture.py", "tests/test_config.py"],
     "mixture": ["tests/test_mixture.py"],
-    "batches": ["tests/test_batches.py", "tests/test_mixture.py"],
+    "batches": [
+        "tests/test_batches.py",
+        "tests/test_mixture.py",
+        "tests/test_loading.py",  # load_data, build_batches, RunData.first_eval_batch
+        "tests/test_task.py",  # loss_weights
+    ],
     "task": [
         "tests/test_task.py",
         "tests/test_lm.py",

@@ -1,6 +1,8 @@
 """The data order both plumbings share (train/batches.py), for any dataset: a seeded permutation per epoch,
 Accelerate's split of every global batch, and a resume on another world size."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -228,10 +230,9 @@ def test_the_identity_of_one_dataset_holds_what_a_resume_must_find_unchanged(tmp
         "train_blocks": 5,
         "data_digest": batches.sample_digest(samples),
     }
-    monkeypatch.setattr(
-        task, "data_identity", lambda dataset: 1234
-    )  # the fork's own identity, as text
-    assert batches.data_identity(RunConfig(seed=3), samples)["data_digest"] == "1234"
+    # the fork's own identity of the train set, as text
+    monkeypatch.setattr(task, "data_identity", lambda dataset: 1000 + len(dataset))
+    assert batches.data_identity(RunConfig(seed=3), samples)["data_digest"] == "1005"
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"text": "a"}\n')
     streamed = RunConfig(
@@ -307,3 +308,203 @@ def test_files_digest_names_sizes_and_contents(tmp_path):
     assert batches.files_digest(files, budget_bytes=4) != sampled
     b.write_bytes(b"56700")
     assert batches.files_digest(files, budget_bytes=4) != sampled
+
+
+def test_a_mixtures_identity_is_the_runs_seed_the_shares_and_each_sources_own_under_its_name():
+    from mixture import Concatenation
+    from sources import parse_dataset
+
+    cfg = RunConfig(seed=4, dataset=parse_dataset("x/a.jsonl:3,y/b.jsonl:1"))
+    parts = Concatenation({"a": [1, 2, 3], "b": [4, 5]})
+    identity = batches.data_identity(cfg, parts)
+    assert sorted(identity) == [
+        "a/data_digest",
+        "a/dataset",
+        "a/train_blocks",
+        "b/data_digest",
+        "b/dataset",
+        "b/train_blocks",
+        "dataset",
+        "seed",
+    ]
+    assert identity["seed"] == 4 and identity["dataset"] == "x/a.jsonl:0.75,y/b.jsonl:0.25"
+    assert (identity["a/dataset"], identity["a/train_blocks"]) == ("x/a.jsonl", 3)
+    assert (identity["b/dataset"], identity["b/train_blocks"]) == ("y/b.jsonl", 2)
+
+
+def test_a_streamed_hub_dataset_is_identified_by_its_revision_a_local_one_by_its_files(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(batches, "hub_revision", lambda name: f"the commit of {name}")
+    hub = RunConfig(dataset="owner/name", streaming=True)
+    identity = batches.data_identity(hub, None)
+    assert identity["stream_revision"] == "the commit of owner/name"
+    assert identity["stream_files"] is None
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a"}\n')
+    local = batches.data_identity(RunConfig(dataset=str(corpus), streaming=True), None)
+    assert local["stream_revision"] is None and local["stream_files"] is not None
+
+
+def test_the_hub_revision_is_asked_for_the_name_within_5_seconds_and_none_when_unknown(
+    monkeypatch,
+):
+    import huggingface_hub
+
+    asked = []
+
+    class Hub:
+        def dataset_info(self, repo_id, *, revision=None, timeout=None, files_metadata=False):
+            asked.append((repo_id, timeout))
+            return SimpleNamespace(sha="0123abcd")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Hub)
+    assert batches.hub_revision("owner/name") == "0123abcd" and asked == [("owner/name", 5)]
+
+    class Offline:
+        def dataset_info(self, repo_id, *, timeout=None):
+            raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    assert batches.hub_revision("owner/name") is None
+
+
+def test_a_streamed_folders_files_count_by_their_path_in_it_size_and_content(tmp_path):
+    import shutil
+
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text('{"text": "alpha"}\n')
+    (folder / "sub" / "b.txt").write_text("beta\n")
+    (folder / "notes.md").write_text("not data\n")
+    before = batches.stream_files(str(folder))
+    # the same files elsewhere: the same digest (names within the folder)
+    shutil.copytree(folder, tmp_path / "elsewhere")
+    assert batches.stream_files(str(tmp_path / "elsewhere")) == before
+    (folder / "notes.md").write_text("no data file: not counted\n")
+    assert batches.stream_files(str(folder)) == before
+    (folder / "sub" / "b.txt").write_text("bet4\n")  # the same size, another content
+    changed = batches.stream_files(str(folder))
+    assert changed != before
+    (folder / "sub2").mkdir()
+    (folder / "sub" / "b.txt").rename(folder / "sub2" / "b.txt")  # the same name, another path
+    assert batches.stream_files(str(folder)) not in (before, changed)
+    # one file: its name counts too
+    one = tmp_path / "one.txt"
+    one.write_text("gamma\n")
+    digest = batches.stream_files(str(one))
+    one.rename(tmp_path / "two.txt")
+    assert batches.stream_files(str(tmp_path / "two.txt")) != digest
+
+
+MIB = 1 << 20
+
+
+def test_a_file_over_the_limit_is_sampled_in_evenly_spaced_mib_pieces(tmp_path):
+    """4 MiB of distinct 4-byte words: 4 pieces of 1 MiB tile it (at 0, 1, 2, 3 MiB); 3 pieces start at 0,
+    (4 - 1) / 2 = 1.5 and 3 MiB; a file of exactly the limit is read whole."""
+    file = tmp_path / "words.bin"
+    content = np.arange(MIB, dtype="<u4").tobytes()
+    file.write_bytes(content)
+    size = 4 * MIB
+    assert batches.sampled_content(file, size, whole_up_to=MIB, pieces=4) == content
+    three = batches.sampled_content(file, size, whole_up_to=size - 1, pieces=3)
+    half = 3 * MIB // 2
+    assert three == content[:MIB] + content[half : half + MIB] + content[3 * MIB :]
+    assert batches.sampled_content(file, size, whole_up_to=size, pieces=3) == content
+
+
+def test_a_file_over_64_mib_is_sampled_as_16_pieces_of_1_mib_from_its_start_to_its_end(tmp_path):
+    """A sparse file of 76 MiB (nothing written but a marker at each MiB): 16 pieces evenly spaced from 0
+    to 75 MiB start every (76 - 1) / 15 = 5 MiB, at MiB 0, 5, ..., 75."""
+    file = tmp_path / "sparse.bin"
+    with open(file, "wb") as f:
+        f.truncate(76 * MIB)
+        for mib in range(76):
+            f.seek(mib * MIB)
+            f.write(b"MiB %02d" % mib)
+    pieces = [b"MiB %02d" % (5 * k) + bytes(MIB - 6) for k in range(16)]
+    assert batches.sampled_content(file, 76 * MIB) == b"".join(pieces)
+
+
+def int_chunks(*chunks, column="x"):
+    """A dataset whose int64 column is stored in one Arrow chunk per argument (8 bytes a value)."""
+    import datasets
+
+    return datasets.concatenate_datasets(
+        [datasets.Dataset.from_dict({column: list(chunk)}) for chunk in chunks]
+    )
+
+
+def test_content_digest_sees_a_selected_views_rows_and_order_and_the_column_names():
+    digest = batches.content_digest
+    dataset = int_chunks([0, 1], [2, 3])
+    assert digest(dataset.select([0, 2, 1])) != digest(dataset.select([2, 0, 1]))
+    assert digest(dataset.select([0, 2, 1])) != digest(dataset.select([0, 3, 1]))
+    assert digest(dataset) != digest(int_chunks([0, 1], [2, 3], column="y"))  # the same buffers
+
+
+def test_content_digest_over_its_budget_hashes_one_chunk_in_every_total_over_budget():
+    """4 chunks of 16 bytes, 64 in all: within a budget of 64 every chunk counts; over a budget of 32,
+    chunks 0 and 2 (one in every 64 / 32 = 2)."""
+    digest = batches.content_digest
+    base = int_chunks([0, 1], [2, 3], [4, 5], [6, 7])
+    second_changed = int_chunks([0, 1], [2, 9], [4, 5], [6, 7])
+    third_changed = int_chunks([0, 1], [2, 3], [4, 9], [6, 7])
+    assert digest(second_changed, budget_bytes=64) != digest(base, budget_bytes=64)
+    assert digest(second_changed, budget_bytes=32) == digest(base, budget_bytes=32)
+    assert digest(third_changed, budget_bytes=32) != digest(base, budget_bytes=32)
+
+
+def image_columns(tmp_path):
+    """Two image columns: cells that name a file, one that holds its bytes, empty ones."""
+    import datasets
+
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    a.write_bytes(b"aaaa")
+    b.write_bytes(b"bbbb")
+    named = {"path": str(a), "bytes": None}
+    features = datasets.Features({"image": datasets.Image(), "mask": datasets.Image()})
+    columns = {
+        "image": [named, {"path": "held.png", "bytes": b"held"}, None],
+        "mask": [{"path": str(b), "bytes": None}, None, named],
+    }
+    return datasets.Dataset.from_dict(columns, features=features), a, b
+
+
+def test_image_columns_that_name_files_count_those_files(tmp_path):
+    dataset, a, b = image_columns(tmp_path)
+    # column by column: a (the held bytes and the empty cell name none), then b and a
+    assert batches.named_files(dataset) == [str(a), str(b), str(a)]
+    before = batches.content_digest(dataset)
+    b.write_bytes(b"bbbc")
+    assert batches.content_digest(dataset) != before
+
+
+def test_files_digest_over_its_budget_reads_one_file_in_every_total_over_budget_rounded_up(
+    tmp_path,
+):
+    """6 files of 4 bytes, 24 in all, a budget of 10: one file in every 3 (24 / 10 = 2.4, rounded up):
+    files 0 and 3."""
+    files = []
+    for index in range(6):
+        files.append(tmp_path / f"{index}.png")
+        files[-1].write_bytes(b"%4d" % index)
+    names = [str(file) for file in files]
+    before = batches.files_digest(names, budget_bytes=10)
+    for unread in (1, 2, 4, 5):
+        files[unread].write_bytes(b"none")
+    assert batches.files_digest(names, budget_bytes=10) == before
+    files[3].write_bytes(b"read")
+    assert batches.files_digest(names, budget_bytes=10) != before
+
+
+def test_sample_digest_of_a_large_dataset_samples_every_size_over_4096th_and_counts_the_size():
+    """8192 samples: by default 4096 of them, every second (0, 2, ...)."""
+    digest = batches.sample_digest
+    base = list(range(8192))
+    odd_changed, even_changed = base.copy(), base.copy()
+    odd_changed[1] = even_changed[2] = -1
+    assert digest(odd_changed) == digest(base) != digest(even_changed)
+    # the same values, one sample of 12 or two of 1 and 2: the size tells them apart
+    assert digest([12]) != digest([1, 2])
