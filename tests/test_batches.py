@@ -508,3 +508,36 @@ def test_sample_digest_of_a_large_dataset_samples_every_size_over_4096th_and_cou
     assert digest(odd_changed) == digest(base) != digest(even_changed)
     # the same values, one sample of 12 or two of 1 and 2: the size tells them apart
     assert digest([12]) != digest([1, 2])
+
+
+def test_loader_workers_leave_the_stop_signals_to_this_process():
+    """With workers, the loader's options carry stopping.py's worker init (this process as the trainer)
+    and a start method's context; without, neither (DataLoader refuses a context without workers)."""
+    import os
+
+    import stopping
+
+    options = batches.loader_options(RunConfig(num_workers=2))
+    init = options["worker_init_fn"]
+    assert init.func is stopping.loader_worker_leaves_stops_to_its_trainer
+    assert init.args == (os.getpid(),) and options["multiprocessing_context"] is not None
+    assert options["num_workers"] == 2
+    without = batches.loader_options(RunConfig(num_workers=0))
+    assert "worker_init_fn" not in without and "multiprocessing_context" not in without
+
+
+def test_loss_weights_are_float64_on_the_plumbings_device(monkeypatch):
+    """On the device the all-reduce needs (NCCL's: a GPU); the meta device stands in for one here."""
+    import task
+
+    plumbing = SimpleNamespace(
+        device=torch.device("meta"), num_processes=1, reduce=lambda tensor, op: tensor
+    )
+    micro_batches = [{"counted": torch.tensor(3)}, {"counted": torch.tensor(5)}]
+    monkeypatch.setattr(task, "loss_counter", lambda: lambda batch: batch["counted"])
+    counted = batches.loss_weights(micro_batches, plumbing)
+    monkeypatch.setattr(task, "loss_counter", lambda: None)  # a task without loss_items: ones
+    ones = batches.loss_weights(micro_batches, plumbing)
+    for weights in (counted, ones):
+        assert weights.shape == (2,) and weights.dtype == torch.float64
+        assert weights.device.type == "meta"
