@@ -101,10 +101,11 @@ MODULES = {
     # the GRU's, and the image and text classifiers' models, are run only by forks' trainings
     "chat_sft_data": ["tests/test_example_data.py", "tests/test_generate_columns.py"],
     "chat_sft_model": ["tests/test_generate_columns.py"],
-    "text_classification_data": ["tests/test_example_data.py"],
+    "text_classification_data": ["tests/test_example_data.py", "tests/test_classifier_data.py"],
     "image_classification_data": [
         "tests/test_example_data.py",
         "tests/test_image_folder_console.py",
+        "tests/test_classifier_data.py",
     ],
     "preference_data": ["tests/test_preference.py"],
     "preference_model": ["tests/test_preference.py"],
