@@ -87,9 +87,9 @@ def test_encode_cuts_each_text_to_max_length_tokens_of_its_own_encoding(bpe_toke
 
 
 def test_a_csv_s_texts_become_token_ids_and_sorted_class_numbers(tmp_path, bpe_tokenizer):
-    """Nine reviews, labels by name: the classes in sorted order (bad 0, good 1, meh 2); a third
-    held out (3 of 9), the split datasets' own train_test_split(seed 0) makes of the same rows; each
-    sample the tokenizer's ids of its text, cut to 4."""
+    """Nine reviews, labels by name: the classes in sorted order (bad 0, good 1, meh 2); half held
+    out (5 of 9: datasets rounds the test part up), the split datasets' own train_test_split(seed 0)
+    makes of the same rows; each sample the tokenizer's ids of its text, cut to 4."""
     from transformers import AutoTokenizer
 
     text = example_data("text_classification")
@@ -101,12 +101,12 @@ def test_a_csv_s_texts_become_token_ids_and_sorted_class_numbers(tmp_path, bpe_t
         str(path),
         text_column="body",
         max_length=4,
-        eval_fraction=1 / 3,
+        eval_fraction=0.5,
         tokenizer_name=str(bpe_tokenizer),
     )
     assert text.class_names(cfg) == ["bad", "good", "meh"]
     train, held_out = text.build_datasets(cfg)
-    assert (len(train), len(held_out)) == (6, 3)
+    assert (len(train), len(held_out)) == (4, 5)
     tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer)
     number = {"bad": 0, "good": 1, "meh": 2}
     expected = {tuple(tokenizer(t)["input_ids"][:4]): number[label] for t, label in rows}
@@ -120,12 +120,46 @@ def test_a_csv_s_texts_become_token_ids_and_sorted_class_numbers(tmp_path, bpe_t
     assert seen == expected
     # the held-out rows: datasets' own split of the rows with a fixed seed 0
     alone = datasets.Dataset.from_dict({"i": list(range(9))}).train_test_split(
-        test_size=1 / 3, seed=0
+        test_size=0.5, seed=0
     )
     held = sorted(alone["test"]["i"])
     assert sorted(tuple(s["input_ids"].tolist()) for s in held_out) == sorted(
         tuple(tokenizer(rows[i][0])["input_ids"][:4]) for i in held
     )
+
+
+@pytest.mark.parametrize("eval_split", ["validation", "test"])
+def test_a_validation_or_test_split_is_the_eval_set_whole(bpe_tokenizer, monkeypatch, eval_split):
+    """A hub dataset's splits (stood in for by load_texts): the one named validation (or, without
+    it, test) is the eval set as it is, and train keeps every row."""
+    from transformers import AutoTokenizer
+
+    text = example_data("text_classification")
+    classes = datasets.ClassLabel(names=["neg", "pos"])
+    features = datasets.Features({"text": datasets.Value("string"), "label": classes})
+
+    def split(words, labels):
+        return datasets.Dataset.from_dict({"text": words, "label": labels}, features=features)
+
+    splits = {
+        "train": split(["alpha", "bravo", "charlie", "delta"], [0, 1, 0, 1]),
+        eval_split: split(["echo", "foxtrot"], [1, 0]),
+    }
+    if eval_split == "validation":  # with both, validation is the eval set
+        splits["test"] = split(["golf"], [1])
+    monkeypatch.setattr(text, "load_texts", lambda cfg: datasets.DatasetDict(splits))
+    cfg = Cfg("org/reviews", eval_fraction=0.5, tokenizer_name=str(bpe_tokenizer))
+    train, held_out = text.build_datasets(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer)
+
+    def read(part):
+        return sorted(
+            (tokenizer.decode(sample["input_ids"].tolist()), int(sample["labels"]))
+            for sample in part
+        )
+
+    assert read(train) == [("alpha", 0), ("bravo", 1), ("charlie", 0), ("delta", 1)]
+    assert read(held_out) == [("echo", 1), ("foxtrot", 0)]
 
 
 def label_splits(**columns) -> datasets.DatasetDict:
@@ -279,6 +313,11 @@ def test_the_eval_images_are_the_same_share_of_every_class(counts, fraction, per
     held = [list(held_out["label"]).count(k) for k in range(len(counts))]
     assert held == per_class
     assert len(train) == sum(counts) - sum(per_class)
+    # which images: datasets' own stratified split of the rows with the fixed seed 0
+    own = labelled(counts).train_test_split(
+        test_size=sum(per_class), seed=0, stratify_by_column="label"
+    )
+    assert list(held_out["i"]) == list(own["test"]["i"])
     assert sorted(list(train["i"]) + list(held_out["i"])) == list(range(sum(counts)))
 
 
