@@ -246,3 +246,101 @@ def test_a_restarted_driver_resumes_its_trial_only_once_the_old_workers_let_go_o
     assert len(launches(first)) == 2
     # argv.jsonl is appended to once per launch, at its start: the resume's
     assert (first / "argv.jsonl").stat().st_mtime >= released[0]
+
+
+# the stand-in trial, except that a launch after the first fails before training (no metrics row)
+FAILS_AFTER_THE_FIRST = [
+    sys.executable,
+    "-c",
+    "import os, runpy, sys\n"
+    "marker = os.environ['FAKE_FIRST_DONE']\n"
+    "if os.path.exists(marker):\n"
+    "    print('error: CUDA out of memory', file=sys.stderr)\n"
+    "    sys.exit(3)\n"
+    "open(marker, 'w').close()\n"
+    f"sys.argv = [{FAKE[1]!r}, *sys.argv[1:]]\n"
+    f"runpy.run_path({FAKE[1]!r}, run_name='__main__')\n",
+]
+
+
+def test_a_trial_that_fails_before_training_after_one_finished_is_recorded_and_the_sweep_goes_on(
+    tmp_path, capsys, own_signals, monkeypatch
+):
+    """The launch command has worked once: a later trial's failure is that trial's (exit 3, its
+    `error:` line), not a wrong command; the sweep goes on, exit 0, and the summary names it."""
+    monkeypatch.setenv("FAKE_FIRST_DONE", str(tmp_path / "first_done"))
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "later"
+    argv = [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "2", "--poll_s", "0.02"),
+        *("--", *FAILS_AFTER_THE_FIRST),
+    ]
+    assert sweep_script().main(argv) == 0
+    out = capsys.readouterr().out
+    first, second = trials_of(sweep_dir)
+    assert (first.state.name, second.state.name) == ("COMPLETE", "FAIL")
+    assert second.user_attrs["error"] == "error: CUDA out of memory"
+    log = sweep_dir / "logs" / "trial_001.log"
+    assert (
+        f"sweep: trial 1: failed (exit 3): error: CUDA out of memory (its output: {log})\n" in out
+    )
+    assert "sweep: trial 1 failed: error: CUDA out of memory\n" in out  # the summary's
+
+
+def test_an_objective_no_eval_row_has_stops_the_sweep_naming_what_they_have(
+    tmp_path, capsys, own_signals
+):
+    """objective: accuracy, but the eval rows hold eval_loss alone (the stand-in's): the first
+    trial fails with that line, and with no trial finished the sweep stops on it, exit 2."""
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    spaced = yaml.safe_load((tmp_path / "space.yaml").read_text())
+    write_space(tmp_path / "space.yaml", **{**spaced, "objective": "accuracy"})
+    sweep_dir = tmp_path / "objective"
+    assert sweep_script().main(driver_argv(sweep_dir, space, trials=2)) == 2
+    error = "no eval row of trial 0 has 'accuracy' (they have: eval_loss)"
+    assert capsys.readouterr().err == f"error: objective: {error}\n"
+    (trial,) = trials_of(sweep_dir)
+    assert trial.state.name == "FAIL" and trial.user_attrs["error"] == error
+
+
+def test_the_summary_table_and_csv_by_hand(tmp_path, capsys, own_signals):
+    """Two complete trials of the stand-in: each value lr x 100 + 1/12 (its last eval, at step 12),
+    written to 4 significant digits, the lr as its flag, the run folder; printed in columns and
+    written to trials.csv. --summary prints it again without running anything."""
+    space = write_space(
+        tmp_path / "space.yaml",
+        parameters={"lr": {"low": 1e-3, "high": 1e-2}},
+        sampler="random",
+    )
+    sweep_dir = tmp_path / "summary"
+    assert sweep_script().main(driver_argv(sweep_dir, space, trials=2)) == 0
+    capsys.readouterr()
+    lrs = [t.params["lr"] for t in trials_of(sweep_dir)]
+    rows = [
+        [
+            str(n),
+            "complete",
+            f"{lr * 100 + 1 / 12:.4g}",
+            "12",
+            repr(lr),
+            str(sweep_dir / f"trial_{n:03d}"),
+        ]
+        for n, lr in enumerate(lrs)
+    ]
+    header = ["trial", "state", "eval_loss", "step", "lr", "run folder"]
+    csv_text = (sweep_dir / "trials.csv").read_bytes().decode()  # csv's own \r\n kept
+    assert csv_text == "".join(",".join(row) + "\r\n" for row in [header, *rows])
+    assert sweep_script().main(["--sweep_dir", str(sweep_dir), "--summary"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(6)]
+    table = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    assert out[:3] == table
+    best = min(range(2), key=lambda n: lrs[n])
+    value = f"{lrs[best] * 100 + 1 / 12:.4g}"
+    assert out[3] == (
+        f"sweep: best: trial {best}, eval_loss {value} (lr {lrs[best]!r}): "
+        f"{sweep_dir / f'trial_{best:03d}'}"
+    )

@@ -89,3 +89,204 @@ def test_a_restart_keeps_the_space_and_the_command_it_was_started_with(tmp_path,
     empty = tmp_path / "empty"
     code = module.main(["--sweep_dir", str(empty), "--trials", "1"])
     assert code == 2 and "holds no sweep yet: give --space" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "spec, said",
+    [
+        (
+            {"choices": ["adamw"], "low": 1},
+            "parameters.optimizer: choices goes alone (got choices, low)",
+        ),
+        ({"choices": "adamw"}, "parameters.optimizer: choices must be a non-empty list"),
+        (3, "parameters.optimizer must be {low: .., high: ..} or {choices: [..]} (got 3)"),
+    ],
+)
+def test_a_bad_choice_is_its_whole_line(tmp_path, capsys, spec, said):
+    space = {"objective": "eval_loss", "parameters": {"optimizer": spec}}
+    assert refusal(tmp_path, capsys, space) == f"error: {tmp_path / 'space.yaml'}: {said}"
+
+
+@pytest.mark.parametrize(
+    "spec, said",
+    [
+        ({"low": 1, "high": 9, "step": 0}, ": step must be > 0 (got 0)"),
+        ({"low": 1, "high": 9, "step": "two"}, ": step must be > 0 (got 'two')"),
+        ({"low": 1, "high": 9, "step": 2, "log": True}, ": log and step do not go together"),
+        (
+            {"low": 1, "high": 9, "sigma": 2},
+            " must be {low: .., high: ..} (with log or step) or {choices: [..]}",
+        ),
+        ({"low": 9, "high": 1}, ": the range is empty (low 9 must be < high 1)"),
+        ({"low": -1, "high": 9, "log": True}, ": a log range needs low > 0 (got -1)"),
+    ],
+)
+def test_a_bad_range_is_its_whole_line(tmp_path, capsys, spec, said):
+    space = {"objective": "eval_loss", "parameters": {"warmup_steps": spec}}
+    where = f"{tmp_path / 'space.yaml'}: parameters.warmup_steps"
+    assert refusal(tmp_path, capsys, space) == f"error: {where}{said}"
+
+
+def test_the_smallest_ranges_pass(tmp_path):
+    """Just non-empty, a log range from just above 0, a step of 1 and of 0.5."""
+    space = {
+        "objective": "eval_loss",
+        "parameters": {
+            "warmup_steps": {"low": 0, "high": 1, "step": 1},
+            "lr": {"low": 1e-9, "high": 2e-9, "log": True},
+            "dropout": {"low": 0.0, "high": 0.5, "step": 0.5},
+        },
+    }
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    assert sweep_script().read_space(path)["parameters"] == space["parameters"]
+
+
+@pytest.mark.parametrize(
+    "space, said",
+    [
+        (None, "--space: cannot read {path} (No such file or directory)"),
+        ("[1, 2]", "--space: {path} must hold a mapping (objective, parameters, ...)"),
+        ({**GOOD, "sampler": "grid"}, "{path}: sampler must be one of tpe, random (got 'grid')"),
+        ({**GOOD, "direction": "up"}, "{path}: direction must be minimize or maximize (got 'up')"),
+        (
+            {**GOOD, "pruner": "median"},
+            "pruner must be none or {{name: MedianPruner, ...its arguments}} (got 'median')",
+        ),
+        (
+            {**GOOD, "pruner": {"name": 3}},
+            "pruner must be none or {{name: MedianPruner, ...its arguments}} (got {{'name': 3}})",
+        ),
+        (
+            {**GOOD, "pruner": {"name": "TYPE_CHECKING"}},
+            "pruner: optuna.pruners has no pruner 'TYPE_CHECKING' (MedianPruner, ...)",
+        ),
+        (
+            {"parameters": GOOD["parameters"]},
+            "{path}: objective must name a metric of the eval rows, e.g. eval_loss",
+        ),
+        (
+            {**GOOD, "budget": 3, "alpha": 1},
+            "{path}: unknown key 'alpha' (known: direction, objective, parameters, pruner, "
+            "sampler, seed)",
+        ),
+    ],
+)
+def test_a_bad_space_file_is_its_whole_line(tmp_path, capsys, space, said):
+    """The line as the script writes it: the path where it names it, the value as given."""
+    path = tmp_path / "space.yaml"
+    if space is not None:
+        path.write_text(yaml.safe_dump(space) if isinstance(space, dict) else space)
+    argv = ["--sweep_dir", str(tmp_path / "sweep"), "--space", str(path), *LAUNCH]
+    assert sweep_script().main(argv) == 2
+    assert capsys.readouterr().err == f"error: {said.format(path=path)}\n"
+
+
+def test_a_space_s_defaults_are_minimize_tpe_seed_0_and_no_pruner(tmp_path):
+    import optuna
+
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    module = sweep_script()
+    space = module.read_space(path)
+    assert space == {"direction": "minimize", "sampler": "tpe", "seed": 0, "pruner": "none", **GOOD}
+    assert isinstance(module.pruner_of(space), optuna.pruners.NopPruner)
+    assert isinstance(module.pruner_of({"pruner": None}), optuna.pruners.NopPruner)
+    median = module.pruner_of({"pruner": {"name": "MedianPruner", "n_startup_trials": 3}})
+    assert isinstance(median, optuna.pruners.MedianPruner) and median._n_startup_trials == 3
+
+
+def test_each_parameter_is_the_optuna_distribution_its_key_s_type_asks_for(tmp_path):
+    """By hand: an int key's range is an IntDistribution (its step, its log), a float key's a
+    FloatDistribution, choices a CategoricalDistribution of the key's type (YAML's "8" an int)."""
+    import optuna.distributions as d
+
+    space = {
+        "parameters": {
+            "lr": {"low": 1e-4, "high": 1e-2, "log": True},
+            "dropout": {"low": 0, "high": 0.5, "step": 0.1},
+            "warmup_steps": {"low": 0, "high": 100, "step": 10},
+            "batch_size": {"low": 2, "high": 64, "log": True},
+            "seed": {"low": 1, "high": 3},
+            "optimizer": {"choices": ["adamw", "muon"]},
+            "grad_accum_steps": {"choices": ["8", 2]},
+        }
+    }
+    assert sweep_script().distributions(space) == {
+        "lr": d.FloatDistribution(1e-4, 1e-2, log=True),
+        "dropout": d.FloatDistribution(0.0, 0.5, step=0.1),
+        "warmup_steps": d.IntDistribution(0, 100, step=10),
+        "batch_size": d.IntDistribution(2, 64, log=True),
+        "seed": d.IntDistribution(1, 3),
+        "optimizer": d.CategoricalDistribution(["adamw", "muon"]),
+        "grad_accum_steps": d.CategoricalDistribution([8, 2]),
+    }
+
+
+def test_a_trial_s_values_as_flags():
+    module = sweep_script()
+    assert [module.as_flag(v) for v in (True, False, 0.1, 1e-05, 3, "adamw")] == [
+        "true",
+        "false",
+        "0.1",
+        "1e-05",
+        "3",
+        "adamw",
+    ]
+
+
+def test_fewer_than_one_trial_is_refused(tmp_path, capsys):
+    code = sweep_script().main(["--sweep_dir", str(tmp_path / "s"), "--trials", "0"])
+    assert code == 2 and capsys.readouterr().err == "error: --trials must be >= 1 (got 0)\n"
+
+
+def test_a_trial_s_error_line_is_its_last_error_else_its_last_line(tmp_path):
+    module = sweep_script()
+    log = tmp_path / "trial.log"
+    log.write_text("start\nerror: first\n  error: second  \nTraceback\n\n")
+    assert module.error_line(log) == "error: second"
+    log.write_text("start\n  Killed  \n\n\n")
+    assert module.error_line(log) == "Killed"
+    log.write_text("error: " + "x" * 400 + "\n")
+    assert module.error_line(log) == "error: " + "x" * 293  # 300 characters
+    log.write_text("\n \n")
+    assert module.error_line(log) == ""
+    assert module.error_line(tmp_path / "none.log") == ""
+
+
+def test_metrics_rows_are_read_as_whole_lines_once(tmp_path):
+    """A row half written is read once it is whole; a line that is not JSON is skipped."""
+    module = sweep_script()
+    path = tmp_path / "metrics.jsonl"
+    follower = module.MetricsFollower(path)
+    assert follower.new_rows() == []  # no file yet
+    path.write_text('{"step": 1}\nnot json\n{"step": 2, "eval')
+    assert follower.new_rows() == [{"step": 1}]
+    assert follower.new_rows() == []
+    with open(path, "a") as f:
+        f.write('_loss": 0.5}\n{"step": 3}\n')
+    assert follower.new_rows() == [{"step": 2, "eval_loss": 0.5}, {"step": 3}]
+    assert module.MetricsFollower(path).new_rows() == [
+        {"step": 1},
+        {"step": 2, "eval_loss": 0.5},
+        {"step": 3},
+    ]
+
+
+def test_a_second_driver_of_a_sweep_folder_is_refused_naming_the_first(tmp_path):
+    import os
+    import socket
+
+    module = sweep_script()
+    folder = tmp_path / "sweep"
+    held = module.take_driver_lock(folder)
+    holder = f"host {socket.gethostname()}, pid {os.getpid()}"
+    assert (folder / "driver.lock").read_text() == holder + "\n"
+    with pytest.raises(module.SweepError) as refused:
+        module.take_driver_lock(folder)
+    assert str(refused.value) == (
+        f"{folder} is driven by another driver ({holder}): one per sweep folder"
+    )
+    held.close()
+    module.take_driver_lock(folder).close()  # let go: the next driver takes it
+    assert (folder / "driver.lock").read_text() == holder + "\n"  # written over, not appended

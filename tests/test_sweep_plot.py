@@ -32,3 +32,79 @@ def test_the_trial_and_step_axes_tick_only_whole_numbers(count):
     import matplotlib.pyplot as plt
 
     plt.close(figure)
+
+
+def study_of(values, pruned=()):
+    """Trials 0, 1, ... with these values (None: a pruned trial, its evals only), evals at steps 4
+    and 8."""
+    study = optuna.create_study()
+    for number, value in enumerate(values):
+        evals = {4: 10.0 + number, 8: 9.0 + number}
+        if number in pruned:
+            trial = optuna.trial.create_trial(
+                state=optuna.trial.TrialState.PRUNED, intermediate_values={4: evals[4]}
+            )
+        else:
+            trial = optuna.trial.create_trial(value=value, intermediate_values=evals)
+        study.add_trial(trial)
+    return study
+
+
+@pytest.mark.parametrize(
+    "direction, best",
+    [("minimize", [3.0, 1.0, 1.0, 0.5]), ("maximize", [3.0, 3.0, 3.0, 3.0])],
+)
+def test_each_trial_s_objective_and_the_best_so_far_by_hand(direction, best):
+    """Values 3, 1, (pruned), 2, 0.5: the complete trials 0, 1, 3, 4 with their values, and the
+    best so far; every trial's eval curve, the pruned one dashed."""
+    import matplotlib.pyplot as plt
+
+    study = study_of([3.0, 1.0, None, 2.0, 0.5], pruned={2})
+    figure = sweep_script().drawing(study.trials, "accuracy", direction)
+    by_trial, curves = figure.axes
+    values, so_far = by_trial.get_lines()
+    assert list(values.get_xdata()) == [0, 1, 3, 4] and values.get_linestyle() == "None"
+    assert list(values.get_ydata()) == [3.0, 1.0, 2.0, 0.5]
+    assert list(so_far.get_xdata()) == [0, 1, 3, 4] and list(so_far.get_ydata()) == best
+    assert [t.get_text() for t in by_trial.get_legend().get_texts()] == ["trial", "best so far"]
+    assert (by_trial.get_xlabel(), by_trial.get_ylabel()) == ("trial", "accuracy")
+    assert by_trial.get_title() == "accuracy per complete trial"
+    lines = curves.get_lines()
+    assert [list(line.get_xdata()) for line in lines] == [[4, 8], [4, 8], [4], [4, 8], [4, 8]]
+    assert [list(line.get_ydata()) for line in lines][:3] == [[10.0, 9.0], [11.0, 10.0], [12.0]]
+    assert [line.get_linestyle() for line in lines] == ["-", "-", "--", "-", "-"]
+    labels = [t.get_text() for t in curves.get_legend().get_texts()]
+    assert labels == ["0 complete", "1 complete", "2 pruned", "3 complete", "4 complete"]
+    assert (curves.get_xlabel(), curves.get_ylabel()) == ("step", "accuracy")
+    assert curves.get_title() == "eval curves (dashed: pruned)"
+    plt.close(figure)
+
+
+def test_twelve_curves_get_a_legend_and_thirteen_do_not():
+    import matplotlib.pyplot as plt
+
+    script = sweep_script()
+    for count, legend in ((12, True), (13, False)):
+        figure = script.drawing(study_of([1.0] * count).trials, "eval_loss", "minimize")
+        assert (figure.axes[1].get_legend() is not None) == legend, count
+        plt.close(figure)
+
+
+def test_a_sweep_with_no_complete_trial_draws_no_values():
+    import matplotlib.pyplot as plt
+
+    figure = sweep_script().drawing(study_of([None], pruned={0}).trials, "eval_loss", "minimize")
+    by_trial, curves = figure.axes
+    assert by_trial.get_lines() == [] and by_trial.get_legend() is None
+    assert len(curves.get_lines()) == 1
+    plt.close(figure)
+
+
+def test_the_plot_is_a_1200_by_450_png(tmp_path):
+    """figsize 12 x 4.5 inches at 100 dots an inch."""
+    from PIL import Image
+
+    path = tmp_path / "objective.png"
+    sweep_script().plot(study_of([2.0, 1.0]).trials, "eval_loss", "minimize", path)
+    with Image.open(path) as image:
+        assert (image.format, image.size) == ("PNG", (1200, 450))
