@@ -81,6 +81,22 @@ def test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm(
         assert flags[flags.index("--lr") + 1] == repr(trial.params["lr"])
         assert flags[flags.index("--wandb_group") + 1] == "pruning"
         assert flags[flags.index("--run_name") + 1] == f"pruning-{trial.number:03d}"
+        # its start and its pruning said; the value pruned at: the stand-in's lr x 100 + 1/4
+        lr = trial.params["lr"]
+        assert f"sweep: trial {trial.number}: lr {lr!r}\n" in out
+        said = f"pruned at step 4 (eval_loss {lr * 100 + 1 / 4:.4g}); it checkpointed"
+        assert f"sweep: trial {trial.number}: {said}\n" in out
+        # its log: the command it ran, first
+        log = (sweep_dir / "logs" / f"trial_{trial.number:03d}.log").read_text()
+        assert log.startswith(f"$ {' '.join(FAKE)} --lr {lr!r} --output_dir {run_dir} ")
+    # trials.csv: the failed trial without a value or a step (it failed before its first eval), each
+    # pruned one with the value it was pruned at, at step 4
+    rows = (sweep_dir / "trials.csv").read_bytes().decode().splitlines()
+    lrs = [t.params["lr"] for t in [failed, *pruned]]
+    assert rows[1] == f"0,fail,,,{lrs[0]!r},{sweep_dir / 'trial_000'}"
+    for n in (1, 2):
+        value = f"{lrs[n] * 100 + 1 / 4:.4g}"
+        assert rows[n + 1] == f"{n},pruned,{value},4,{lrs[n]!r},{sweep_dir / f'trial_{n:03d}'}"
     # the summary: the table (trials.csv too) and the plot
     table = [line.split()[:2] for line in out.splitlines()]
     assert ["0", "fail"] in table and ["1", "pruned"] in table and ["2", "pruned"] in table
@@ -343,4 +359,62 @@ def test_the_summary_table_and_csv_by_hand(tmp_path, capsys, own_signals):
     assert out[3] == (
         f"sweep: best: trial {best}, eval_loss {value} (lr {lrs[best]!r}): "
         f"{sweep_dir / f'trial_{best:03d}'}"
+    )
+
+
+ALWAYS_PREEMPTED = [
+    sys.executable,
+    "-c",
+    "import pathlib, sys\n"
+    "run = pathlib.Path(sys.argv[sys.argv.index('--output_dir') + 1])\n"
+    "run.mkdir(parents=True, exist_ok=True)\n"
+    "(run / 'preempted.json').write_text('{}')\n"
+    "print('stopped by the scheduler')\n"
+    "sys.exit(1)\n",
+]
+
+
+def test_a_trial_preempted_again_and_again_is_resumed_three_times_then_failed(
+    tmp_path, capsys, own_signals
+):
+    """Under a launcher that exits 1 (preempted.json written each time, no metrics row): resumed
+    1/3, 2/3, 3/3, then failed; nothing trained and no trial finished: the command is called wrong,
+    one line, exit 2."""
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "preempted"
+    argv = [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "2", "--poll_s", "0.02"),
+        *("--", *ALWAYS_PREEMPTED),
+    ]
+    assert sweep_script().main(argv) == 2
+    out, err = capsys.readouterr()
+    said = [line for line in out.splitlines() if "preempted" in line]
+    assert said == [f"sweep: trial 0: preempted, resuming it ({n}/3)" for n in (1, 2, 3)]
+    log = sweep_dir / "logs" / "trial_000.log"
+    assert err == (
+        "error: the launch command failed before training (trial 0, exit 1): stopped by the "
+        f"scheduler (its output: {log})\n"
+    )
+    assert log.read_text().count("--resume latest") == 3  # four launches, three of them resumes
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["FAIL"]
+
+
+def test_a_run_folder_still_held_after_the_wait_is_one_line(tmp_path, monkeypatch):
+    """A free folder (or one never locked) is taken at once; one whose lock stays held past the wait
+    (FREE_FOLDER_WAIT_S, 0.3 s here) is refused naming the folder and the wait."""
+    module = sweep_script()
+    run_dir = tmp_path / "trial_000"
+    run_dir.mkdir()
+    module.wait_until_free(run_dir)  # no .lock
+    (run_dir / ".lock").touch()
+    module.wait_until_free(run_dir)  # nobody holds it
+    monkeypatch.setattr(module, "FREE_FOLDER_WAIT_S", 0.3)
+    with open(run_dir / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        began = time.monotonic()
+        with pytest.raises(module.SweepError) as refused:
+            module.wait_until_free(run_dir)
+        assert 0.3 <= time.monotonic() - began < 5
+    assert str(refused.value) == (
+        f"{run_dir} is still in use by the processes of an earlier driver after 0.3 s"
     )

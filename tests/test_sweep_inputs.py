@@ -83,12 +83,48 @@ def test_a_restart_keeps_the_space_and_the_command_it_was_started_with(tmp_path,
     recorded = {"space": module.read_space(given), "command": LAUNCH[1:]}
     (folder / module.SWEEP_FILE).write_text(yaml.safe_dump(recorded))
     other = {**GOOD, "parameters": {"lr": {"low": 1e-5, "high": 1e-2, "log": True}}}
-    assert "--space differs from the space" in refusal(tmp_path, capsys, other)
+    record = folder / module.SWEEP_FILE
+    assert refusal(tmp_path, capsys, other) == (
+        f"error: --space differs from the space {folder} was started with ({record}): use "
+        "another --sweep_dir"
+    )
     line = refusal(tmp_path, capsys, GOOD, command=[*LAUNCH, "--max_steps", "5"])
-    assert "the launch command differs from the one" in line
+    assert line == (
+        f"error: the launch command differs from the one {folder} was started with ({record}): "
+        "use another --sweep_dir"
+    )
     empty = tmp_path / "empty"
     code = module.main(["--sweep_dir", str(empty), "--trials", "1"])
-    assert code == 2 and "holds no sweep yet: give --space" in capsys.readouterr().err
+    assert code == 2 and capsys.readouterr().err == (
+        f"error: {empty} holds no sweep yet: give --space FILE and the launch command after --\n"
+    )
+    # the space given without the command (or the command without the space): the recorded ones
+    assert module.settled(folder, module_args(given, [])) == (recorded["space"], LAUNCH[1:])
+    assert module.settled(folder, module_args("", LAUNCH)) == (recorded["space"], LAUNCH[1:])
+
+
+def module_args(space, command):
+    import argparse
+
+    return argparse.Namespace(space=str(space) if space else "", command=list(command))
+
+
+def test_the_first_start_records_the_space_with_its_defaults_and_the_command(tmp_path):
+    module = sweep_script()
+    given = tmp_path / "given.yaml"
+    given.write_text(yaml.safe_dump(GOOD))
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    space, command = module.settled(folder, module_args(given, LAUNCH))
+    defaults = {"direction": "minimize", "sampler": "tpe", "seed": 0, "pruner": "none"}
+    assert (space, command) == ({**defaults, **GOOD}, LAUNCH[1:])
+    recorded = yaml.safe_load((folder / module.SWEEP_FILE).read_text())
+    assert recorded == {"space": {**defaults, **GOOD}, "command": LAUNCH[1:]}
+    assert list(recorded) == ["space", "command"]
+    # a command without the leading --, as argparse may leave it, is the same command
+    again = tmp_path / "again"
+    again.mkdir()
+    assert module.settled(again, module_args(given, LAUNCH[1:]))[1] == LAUNCH[1:]
 
 
 @pytest.mark.parametrize(
