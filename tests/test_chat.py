@@ -100,6 +100,10 @@ def test_messages_are_checked_and_their_text_parts_joined_a_line_apart():
     assert refused(chat.checked_conversation, [], "x line 3") == (
         "dataset: x line 3 has no assistant turn, nothing to learn from (roles: none)"
     )
+    system_and_user = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    assert refused(chat.checked_conversation, system_and_user, "x line 4") == (
+        "dataset: x line 4 has no assistant turn, nothing to learn from (roles: system, user)"
+    )
 
 
 def test_json_lines_and_arrays_are_read_value_by_value_with_where_each_one_is(tmp_path):
@@ -268,6 +272,43 @@ def test_greedy_on_a_left_padded_batch_is_each_prompt_s_own_argmax_from_position
     assert greedy_of_padded(model, end=end, pad=1, max_new_tokens=8) == by_hand
 
 
+def test_greedy_pads_each_row_after_its_end_and_stops_when_every_row_has_ended():
+    """The whole output: each row its own argmax tokens up to and with its first end of turn
+    (any of `ends`), then pad_id; as long as the longest row, max_new_tokens if one never ends."""
+    model = gpt2_of_learned_positions()
+    pad, width = 1, max(map(len, PROMPTS))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    alone = [greedy_by_hand(model, prompt, end=-1, max_new_tokens=5) for prompt in PROMPTS]
+    firsts = [tokens[0] for tokens in alone]
+    assert len(set(firsts)) == 3  # each row says its own first token
+    for ends in (firsts[1:], firsts):  # the first row never ends / every row ends at once
+        expected = []
+        for tokens in alone:
+            ended = next((k for k, token in enumerate(tokens) if token in ends), None)
+            expected.append(tokens if ended is None else tokens[: ended + 1])
+        longest = max(map(len, expected))
+        expected = [tokens + [pad] * (longest - len(tokens)) for tokens in expected]
+        with torch.no_grad():
+            assert chat.greedy(model, ids, mask, ends, pad, 5).tolist() == expected
+    assert longest == 1
+
+
+def test_greedy_decodes_with_the_key_value_cache_even_when_training_turned_it_off():
+    """The examples build their models with config.use_cache False (training); generate is asked
+    for the cache itself: after the prompts' forward, each forward reads one new token."""
+    model = gpt2_of_learned_positions()
+    model.config.use_cache = False
+    widths = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].size(1)), with_kwargs=True
+    )
+    ids = torch.tensor([[5, 17, 9, 21]])
+    with torch.no_grad():
+        said = chat.greedy(model, ids, torch.ones_like(ids), [39], 1, max_new_tokens=4)
+    assert widths == [4] + [1] * (said.size(1) - 1)
+
+
 def test_greedy_is_the_plain_argmax_whatever_the_model_s_generation_config_says():
     """A hub model's generation_config (here: suppress the first token greedy says, penalise
     repeats) is set aside: greedy is still the test's own argmax, and the config is back after."""
@@ -292,7 +333,10 @@ def test_a_sharded_model_generates_with_synced_gpus(monkeypatch):
     model = SimpleNamespace(generation_config=None, generate=generate)
     ids = torch.tensor([[3, 4]])
     for sharded in (True, False):
-        monkeypatch.setattr(chat, "sharded", lambda model, sharded=sharded: sharded)
+        # whether the model generating is sharded: asked of that model
+        monkeypatch.setattr(
+            chat, "sharded", lambda asked, sharded=sharded: asked is model and sharded
+        )
         assert chat.greedy(model, ids, torch.ones_like(ids), [0], 1, 2).tolist() == [[0, 0]]
     assert [kwargs["synced_gpus"] for kwargs in asked] == [True, False]
 
@@ -415,6 +459,11 @@ def test_only_the_train_and_eval_splits_are_checked_each_row_named(tmp_path):
         "train": ["hub/x (train split) row 1", "hub/x (train split) row 2"],
         "test": ["hub/x (test split) row 1"],
     }
+    # the split's own columns are dropped: a row is what row_of made of it alone
+    assert {name: rows.column_names for name, rows in checked.items()} == {
+        "train": ["where"],
+        "test": ["where"],
+    }
     alone = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": ["a"]})})
     checked = chat.checked_splits(alone, cfg, lambda row, where: {"where": where}, "row")
     assert list(checked["train"]["where"]) == ["hub/x row 1"]
@@ -428,3 +477,164 @@ def test_rows_of_files_yields_what_json_rows_reads_file_after_file(tmp_path):
     assert list(rows) == [{"x": "1"}, {"x": "2"}, {"x": "3"}]
     assert json.loads(first.read_text()) == {"x": "1"}
     assert Path(first).exists()
+
+
+def test_the_check_of_each_split_is_said_on_its_progress_bar(capfd):
+    import datasets
+
+    splits = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"x": ["a"]}),
+            "test": datasets.Dataset.from_dict({"x": ["b"]}),
+        }
+    )
+    cfg = SimpleNamespace(dataset="hub/x", dataset_split="train")
+    chat.checked_splits(splits, cfg, lambda row, where: {"where": where}, "prompts")
+    said = capfd.readouterr().err
+    assert "checking the train prompts: 100%" in said
+    assert "checking the test prompts: 100%" in said
+
+
+def test_the_held_out_rows_are_those_of_a_fixed_seed_0_whatever_the_run_s_seed():
+    """eval_fraction of the split held out by datasets' train_test_split with seed 0 (not the run's
+    seed): the first 30% of NumPy's default_rng(0) permutation of 10 rows, the rest in its order."""
+    import datasets
+    import numpy as np
+
+    rows = datasets.Dataset.from_dict({"x": [str(n) for n in range(10)]})
+    cfg = SimpleNamespace(dataset="d", dataset_split="train", eval_fraction=0.3, seed=7)
+    permutation = [str(n) for n in np.random.default_rng(0).permutation(10)]
+    train, held_out = chat.train_and_eval({"train": rows}, cfg, "row")
+    assert list(held_out["x"]) == permutation[:3]
+    assert list(train["x"]) == permutation[3:]
+
+
+def test_a_hub_dataset_is_read_by_its_name_and_configuration_and_its_errors_in_one_line(
+    monkeypatch,
+):
+    """A --dataset that is no local path goes to datasets.load_dataset(name, configuration or
+    None); its splits listed when dataset_split is not one; its failure's first line said."""
+    import datasets
+
+    asked = []
+    found = {"train": ["a"], "validation": ["b"]}
+
+    def load_dataset(*args, **kwargs):
+        asked.append((args, kwargs))
+        return found
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = SimpleNamespace(dataset="owner/name", dataset_config="", dataset_split="train")
+    assert chat.read_splits(cfg, lambda value, where: value) is found
+    cfg.dataset_config = "main"
+    assert chat.read_splits(cfg, lambda value, where: value) is found
+    assert asked == [(("owner/name", None), {}), (("owner/name", "main"), {})]
+    cfg.dataset_split = "dev"
+    assert refused(chat.read_splits, cfg, lambda value, where: value) == (
+        "dataset_split 'dev' is not a split of 'owner/name' (splits: train, validation)"
+    )
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'owner/name' on the Hub (offline)\nmore detail")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    assert refused(chat.read_splits, cfg, lambda value, where: value) == (
+        "dataset 'owner/name' could not be read: Couldn't reach 'owner/name' on the Hub (offline)"
+    )
+
+
+def test_a_json_number_in_a_column_of_strings_is_read_as_its_text(tmp_path):
+    """Each column is typed by its kind (row_features), not inferred from the values: a number in
+    a column of scalars is its text, "1" and "22" (datasets' own inference would make it int64)."""
+    from datasets import Value
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"n": 1, "prompt": "a"}\n{"n": 22, "prompt": "b"}\n')
+    table = chat.json_table([rows], lambda value, where: value)
+    assert table.features["n"] == Value("string")
+    assert table.to_list() == [{"n": "1", "prompt": "a"}, {"n": "22", "prompt": "b"}]
+
+
+def test_the_end_of_turn_of_a_template_that_takes_only_user_and_assistant_turns(chat_tokenizer):
+    """Mistral's template (v0.3's shape): it refuses any role but user then assistant, and ends a
+    reply with EOS: the end of turn is EOS alone, found with a user's and an assistant's turn."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+        "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+        "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
+        "{% endif %}{% endfor %}"
+    )
+    assert chat.end_of_turn_ids(tokenizer) == {tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+
+
+def test_the_end_of_turn_is_the_first_special_token_after_the_reply_not_the_conversation_s_end(
+    chat_tokenizer,
+):
+    """Phi-3's shape: each reply ends with its end of turn and a newline, and a conversation
+    without the generation prompt ends with EOS too: the end of turn is <|im_end|> (the first
+    special token after the reply), and EOS."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% else %}"
+        "{{ eos_token }}{% endif %}"
+    )
+    ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert chat.end_of_turn_ids(tokenizer) == set(ids)
+    # Qwen's instruct tokenizers: EOS is <|im_end|>; a conversation written with <|endoftext|>
+    # last: only the first special token after the reply ends it, <|im_end|> alone
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = tokenizer.chat_template.replace("eos_token", "'<|endoftext|>'")
+    assert chat.end_of_turn_ids(tokenizer) == {ids[0]}
+
+
+def test_the_end_of_turn_is_found_without_the_bos_a_llama_tokenizer_adds(chat_tokenizer):
+    """A tokenizer that puts <s> first in what it encodes (Llama's): the text after the reply is
+    encoded without it, so the end of turn is <|im_end|> (and EOS), not <s>."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    assert tokenizer("x")["input_ids"][0] == bos
+    ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert chat.end_of_turn_ids(tokenizer) == set(ids)
+
+
+def test_only_a_sharded_model_in_a_group_of_two_or_more_generates_in_step(monkeypatch):
+    """sharded: an FSDP2 module (here a stand-in class for FSDPModule) in a process group of more
+    than one process; not at world size 1, not without a group, not a plain model under DDP."""
+    import torch.distributed as dist
+    import torch.distributed.fsdp as fsdp
+
+    class Sharded(nn.Linear):
+        pass
+
+    monkeypatch.setattr(fsdp, "FSDPModule", Sharded)
+    world = {"size": 1, "group": True}
+    monkeypatch.setattr(dist, "is_initialized", lambda: world["group"])
+    monkeypatch.setattr(dist, "get_world_size", lambda *group: world["size"])
+    said = {}
+    for size in (1, 2, 3):
+        world["size"] = size
+        said[size] = (chat.sharded(Sharded(2, 2)), chat.sharded(nn.Linear(2, 2)))
+    world["group"] = False
+    said["no group"] = (chat.sharded(Sharded(2, 2)), chat.sharded(nn.Linear(2, 2)))
+    assert said == {
+        1: (False, False),
+        2: (True, False),
+        3: (True, False),
+        "no group": (False, False),
+    }
