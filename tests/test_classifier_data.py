@@ -86,7 +86,7 @@ def test_encode_cuts_each_text_to_max_length_tokens_of_its_own_encoding(bpe_toke
     assert "12345".startswith(tokenizer.decode(encoded["input_ids"][2]))  # the number as text
 
 
-def test_a_csv_s_texts_become_token_ids_and_sorted_class_numbers(tmp_path, bpe_tokenizer):
+def test_a_csv_s_texts_become_token_ids_and_sorted_class_numbers(tmp_path, bpe_tokenizer, capfd):
     """Nine reviews, labels by name: the classes in sorted order (bad 0, good 1, meh 2); half held
     out (5 of 9: datasets rounds the test part up), the split datasets' own train_test_split(seed 0)
     makes of the same rows; each sample the tokenizer's ids of its text, cut to 4."""
@@ -107,6 +107,10 @@ def test_a_csv_s_texts_become_token_ids_and_sorted_class_numbers(tmp_path, bpe_t
     assert text.class_names(cfg) == ["bad", "good", "meh"]
     train, held_out = text.build_datasets(cfg)
     assert (len(train), len(held_out)) == (4, 5)
+    # datasets' progress bar of each part's tokenizing says what it does (its default: "Map")
+    bars = capfd.readouterr().err.replace("\r", "\n").splitlines()
+    for rows_done in ("4/4", "5/5"):
+        assert any(b.startswith("tokenizing: 100%") and rows_done in b for b in bars), bars
     tokenizer = AutoTokenizer.from_pretrained(bpe_tokenizer)
     number = {"bad": 0, "good": 1, "meh": 2}
     expected = {tuple(tokenizer(t)["input_ids"][:4]): number[label] for t, label in rows}
@@ -176,6 +180,23 @@ def test_a_bad_label_of_a_hub_split_names_the_split_and_the_row():
     assert str(refused.value) == (
         "dataset: split 'validation', row 3, column 'label': the label is empty; every row needs "
         "its class (a name or an integer)"
+    )
+
+
+def test_a_label_outside_a_hub_split_s_classes_names_the_split_and_the_row():
+    """A hub dataset's ClassLabel column holding 2 of two classes (datasets itself refuses to
+    build one; an arrow table read as it is): the split, the row, the classes."""
+    import pyarrow as pa
+
+    text = example_data("text_classification")
+    features = datasets.Features({"label": datasets.ClassLabel(names=["neg", "pos"])})
+    table = pa.table({"label": pa.array([0, 1, 2, 1], pa.int64())})
+    split = datasets.Dataset(table, info=datasets.DatasetInfo(features=features))
+    with pytest.raises(ConfigError) as refused:
+        text.check_labels(datasets.DatasetDict({"train": split}), Cfg("org/reviews"), [])
+    assert str(refused.value) == (
+        "dataset: split 'train', row 3, column 'label': the label 2 is outside the classes 0..1 "
+        "(neg, pos)"
     )
 
 
