@@ -461,3 +461,32 @@ def test_the_image_and_label_columns_are_found_by_their_types():
             "dataset 'org/pictures' has no image column and class label column (columns: img, "
             "label): keep one subfolder per class"
         )
+
+
+def test_a_test_split_folder_is_the_eval_set_without_a_validation_one(tmp_path):
+    images = example_data("image_classification")
+    folder = tmp_path / "photos"
+    for name in ("ant", "bee"):
+        for i in range(4):
+            write_image(folder / "train" / name / f"{i}.png", 30)
+        write_image(folder / "test" / name / "0.png", 90)  # told apart by their colour
+    train, held_out = images.build_datasets(Cfg(str(folder), eval_fraction=0.5))
+    assert (len(train), len(held_out)) == (8, 2)
+    red = (90 / 255 - 0.5) / 0.25
+    assert all(float(held_out[k]["pixels"][0, 0, 0]) == pytest.approx(red) for k in range(2))
+
+
+def test_a_hub_dataset_without_image_and_label_columns_is_named(monkeypatch):
+    """load_images stood in for: a hub dataset of texts; both build_datasets and class_names refuse
+    it naming the dataset."""
+    images = example_data("image_classification")
+    texts = datasets.Dataset.from_dict({"text": ["a cat"], "label": [0]})
+    monkeypatch.setattr(images, "load_images", lambda cfg: datasets.DatasetDict({"train": texts}))
+    line = (
+        "dataset 'org/captions' has no image column and class label column (columns: text, "
+        "label): keep one subfolder per class"
+    )
+    for read in (images.build_datasets, images.class_names):
+        with pytest.raises(ConfigError) as refused:
+            read(Cfg("org/captions"))
+        assert str(refused.value) == line
