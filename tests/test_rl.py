@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import statistics
+import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -885,3 +886,373 @@ def test_a_rollout_that_takes_other_arguments_is_one_line_at_start_up():
     assert "rollout must take (model, micro_batches, cfg, step)" in str(e.value)
     task.check_rollout(example("model"))  # the example's: no line
     task.check_rollout(types.SimpleNamespace())  # none: nothing to check
+
+
+# ---------------------------------------------------------------- the data, line by line
+
+
+def data_refusal(function, *args) -> str:
+    with pytest.raises(ConfigError) as e:
+        function(*args)
+    return str(e.value)
+
+
+def test_collate_pads_prompts_left_with_0_and_answers_right_with_minus_1():
+    """Two prompts of 3 and 1 tokens, answers of 1 and 3 bytes: by hand."""
+    batch = example("data").collate(
+        [
+            {"prompt_ids": [7, 8, 9], "answer_bytes": [97], "prompt_index": 4},
+            {"prompt_ids": [5], "answer_bytes": [98, 195, 169], "prompt_index": "11"},
+        ]
+    )
+    assert {name: value.tolist() for name, value in batch.items()} == {
+        "prompt_ids": [[7, 8, 9], [0, 0, 5]],
+        "prompt_mask": [[1, 1, 1], [0, 0, 1]],
+        "answer_bytes": [[97, -1, -1], [98, 195, 169]],
+        "prompt_index": [4, 11],
+    }
+    assert all(value.dtype == torch.int64 for value in batch.values())
+
+
+def test_a_prompt_row_is_a_user_s_turn_or_a_chat_and_its_answer_a_string():
+    data = example("data")
+    user = [{"role": "user", "content": "sort: b a"}]
+    assert data.prompt_row({"prompt": "sort: b a", "answer": 12}, "f line 1") == {
+        "prompt": user,
+        "answer": "12",
+        "where": "f line 1",
+    }
+    chat_rows = [{"role": "system", "content": "be brief"}, *user]
+    for key in ("prompt", "messages"):  # TRL's shape, and a chat
+        assert data.prompt_row({key: chat_rows, "answer": 1.5}, "f line 2") == {
+            "prompt": chat_rows,
+            "answer": "1.5",
+            "where": "f line 2",
+        }
+    # "prompt" before "messages" where a row has both
+    both = {"prompt": "first", "messages": chat_rows, "answer": "x"}
+    assert data.prompt_row(both, "w")["prompt"] == [{"role": "user", "content": "first"}]
+    # the prompt's bytes and the answer's UTF-8 bytes, by hand: é is 0xC3 0xA9
+    assert data.encode_prompt({"prompt": user, "answer": "é a"}, SimpleTokenizer()) == {
+        "prompt_ids": [1, 2, 3],
+        "answer_bytes": [0xC3, 0xA9, 0x20, 0x61],
+    }
+
+
+class SimpleTokenizer:
+    """A chat template stand-in: every conversation with the generation prompt is [1, 2, 3]."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt is True and tokenize is False
+        return "rendered"
+
+    def __call__(self, text, add_special_tokens):
+        assert text == "rendered" and add_special_tokens is False
+        return {"input_ids": [1, 2, 3]}
+
+
+@pytest.mark.parametrize(
+    "row, said",
+    [
+        (
+            {"prompt": "sort: a b", "solution": "a b"},
+            "dataset: f line 3 needs an 'answer' and a 'prompt' (or 'messages'): the prompt the "
+            "model answers and the answer the rewards check (it has: prompt, solution)",
+        ),
+        (
+            {"answer": "a b"},
+            "dataset: f line 3 needs an 'answer' and a 'prompt' (or 'messages'): the prompt the "
+            "model answers and the answer the rewards check (it has: answer)",
+        ),
+        (
+            {},
+            "dataset: f line 3 needs an 'answer' and a 'prompt' (or 'messages'): the prompt the "
+            "model answers and the answer the rewards check (it has: nothing)",
+        ),
+        (
+            {"prompt": [], "answer": "x"},
+            "dataset: f line 3: its prompt must be a string or a list of messages",
+        ),
+        (
+            {"prompt": 7, "answer": "x"},
+            "dataset: f line 3: its prompt must be a string or a list of messages",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "yo"},
+                ],
+                "answer": "x",
+            },
+            "dataset: f line 3: its prompt ends on the assistant's turn, not the user's: the "
+            "model answers the last turn",
+        ),
+        (
+            {"prompt": "hi", "answer": True},
+            "dataset: f line 3: its answer must be a string or a number (got bool)",
+        ),
+        (
+            {"prompt": "hi", "answer": ["a"]},
+            "dataset: f line 3: its answer must be a string or a number (got list)",
+        ),
+        (
+            {"prompt": "hi", "answer": None},
+            "dataset: f line 3: its answer must be a string or a number (got NoneType)",
+        ),
+    ],
+)
+def test_each_bad_prompt_row_is_its_whole_line(row, said):
+    assert data_refusal(example("data").prompt_row, row, "f line 3") == said
+
+
+def test_the_data_s_start_up_lines_whole(chat_llama, tmp_path):
+    """No dataset; a table without a prompt column; a table without an answer column."""
+    data = example("data")
+    assert data_refusal(data.check_config, Cfg(hf_model=str(chat_llama))) == (
+        "dataset: pass --dataset, prompts with a prompt (or messages) and an answer column (a "
+        "JSON lines file or a folder: python scripts/sort_words_task.py OUT writes one)"
+    )
+    no_prompt = tmp_path / "no_prompt.csv"
+    no_prompt.write_text("question,answer\nsort: b a,a b\n")
+    assert data_refusal(
+        data.check_config, Cfg(hf_model=str(chat_llama), dataset=str(no_prompt))
+    ) == (
+        f"dataset '{no_prompt}' has no a 'prompt' or 'messages' column: RL with verifiable "
+        "rewards needs prompts and the answers the rewards check (columns: question, answer)"
+    )
+    no_answer = tmp_path / "no_answer.csv"
+    no_answer.write_text("prompt,solution\nsort: b a,a b\n")
+    assert data_refusal(
+        data.check_config, Cfg(hf_model=str(chat_llama), dataset=str(no_answer))
+    ) == (
+        f"dataset '{no_answer}' has no an 'answer' column: RL with verifiable rewards needs "
+        "prompts and the answers the rewards check (columns: prompt, solution)"
+    )
+
+
+def test_the_longest_prompt_and_max_new_tokens_fit_the_model_s_positions_exactly(
+    chat_llama, tmp_path
+):
+    """The tiny chat Llama has 128 positions; the longest prompt's tokens counted here by
+    transformers' own apply_chat_template: max_new_tokens up to 128 minus them is let through,
+    one more is the whole line; a prompt of 128 tokens or more leaves no room at all."""
+    from transformers import AutoTokenizer
+
+    data = example("data")
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    long_prompt = "sort: " + "river " * 8
+
+    def tokens(prompt: str) -> int:
+        messages = [{"role": "user", "content": prompt}]
+        return len(
+            tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+
+    dataset = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [{"prompt": "sort: a b", "answer": "a b"}, {"prompt": long_prompt, "answer": "x"}] * 2,
+    )
+    longest = tokens(long_prompt)
+    assert longest > tokens("sort: a b")
+    cfg = Cfg(hf_model=str(chat_llama), dataset=str(dataset), eval_fraction=0.5)
+    data.check_config(replace(cfg, max_new_tokens=128 - longest))  # exactly fills: no line
+    said = data_refusal(data.check_config, replace(cfg, max_new_tokens=129 - longest))
+    assert said.startswith(f"max_new_tokens: {129 - longest} after the longest prompt ({dataset} ")
+    assert said.endswith(
+        f": {longest} tokens) is 129 positions, beyond the model's 128: lower max_new_tokens to "
+        f"{128 - longest} or shorten the prompt"
+    )
+    huge = write_jsonl(
+        tmp_path / "huge.jsonl",
+        [{"prompt": "sort: a b", "answer": "a b"}] * 3
+        + [{"prompt": "river " * 200, "answer": "x"}],
+    )
+    filled = tokens("river " * 200)
+    assert filled > 128
+    said = data_refusal(data.check_config, replace(cfg, dataset=str(huge), max_new_tokens=1))
+    assert said == (
+        f"max_new_tokens: 1 after the longest prompt ({huge} line 4: {filled} tokens) is "
+        f"{filled + 1} positions, beyond the model's 128: the prompt alone fills them: shorten "
+        "the prompt"
+    )
+
+
+# ---------------------------------------------------------------- the RL keys, line by line
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (
+            {"hf_model": ""},
+            "hf_model: RL starts from a Hugging Face chat model, best one fine-tuned on the task "
+            "(examples/chat_sft): pass --hf_model RUN_FOLDER_OR_NAME",
+        ),
+        ({"rl_loss": "ppo"}, "rl_loss must be one of grpo, dapo, dr_grpo (got 'ppo')"),
+        (
+            {"scale_rewards": "rank"},
+            "scale_rewards must be one of group, batch, none (got 'rank')",
+        ),
+        (
+            {"num_generations": 1},
+            "num_generations must be >= 2: a completion's advantage is its reward against its "
+            "group's mean, which a group of one always equals (got 1)",
+        ),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1 (got 0)"),
+        ({"temperature": 0.0}, "temperature must be > 0 (got 0.0)"),
+        ({"temperature": math.inf}, "temperature must be > 0 (got inf)"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1] (got 0.0)"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1] (got 1.5)"),
+        ({"epsilon": -0.1}, "epsilon must be a finite number >= 0 (got -0.1)"),
+        ({"epsilon_high": math.nan}, "epsilon_high must be a finite number >= 0 (got nan)"),
+        ({"beta": math.inf}, "beta must be a finite number >= 0 (got inf)"),
+        ({"updates_per_rollout": 0}, "updates_per_rollout must be >= 1 (got 0)"),
+        (
+            {"reward_weights": "exact_answer:1, correctness:2"},
+            "reward_weights: no reward function 'correctness' in train/model.py (found: "
+            "exact_answer, same_words, word_order; a reward function takes (completion, answer))",
+        ),
+        (
+            {"reward_weights": "exact_answer:inf"},
+            "reward_weights: exact_answer's weight must be a finite number (got 'inf'), as in "
+            "exact_answer:1,same_words:0.25",
+        ),
+        (
+            {"reward_weights": "word_order:x"},
+            "reward_weights: word_order's weight must be a finite number (got 'x'), as in "
+            "exact_answer:1,same_words:0.25",
+        ),
+        (
+            {"beta": 0.1, "init_from": "runs/sft"},
+            "init_from: with beta > 0 the reference is the weights the run starts from, loaded "
+            "from --hf_model: pass that folder as --hf_model instead (got 'runs/sft')",
+        ),
+    ],
+)
+def test_each_bad_rl_key_is_its_whole_line(overrides, said):
+    cfg = replace(Cfg(hf_model="some/model"), **overrides)
+    with pytest.raises(ConfigError) as e:
+        example("model").check_config(cfg)
+    assert str(e.value) == said
+
+
+def test_the_edges_of_the_rl_keys_are_let_through_and_weights_read_as_written(tmp_path):
+    model = example("model")
+    edges = dict(
+        num_generations=2,
+        max_new_tokens=1,
+        temperature=1e-6,
+        top_p=1.0,
+        epsilon=0.0,
+        epsilon_high=0.0,
+        beta=0.0,
+        updates_per_rollout=1,
+    )
+    model.check_config(replace(Cfg(hf_model="some/model"), **edges))
+    cfg = replace(Cfg(hf_model="x"), reward_weights=" exact_answer : 2 ,same_words:,word_order:-1")
+    assert model.reward_weights(cfg) == {"exact_answer": 2.0, "same_words": 1.0, "word_order": -1.0}
+    adapter = tmp_path / "sft"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        model.check_config(replace(Cfg(hf_model=str(adapter)), beta=0.1))
+    assert str(e.value) == (
+        f"hf_model: '{adapter}' holds a LoRA adapter, not a whole model: export the SFT run "
+        "merged (--merge_adapter true): with beta > 0 the reference is the model itself"
+    )
+    model.check_config(replace(Cfg(hf_model=str(adapter)), beta=0.0))  # no reference: no line
+    model.check_config(replace(Cfg(hf_model=str(tmp_path)), beta=0.1))  # a whole model's folder
+
+
+# ---------------------------------------------------------------- the step's numbers, by hand
+
+
+def test_the_rewards_by_hand():
+    model = example("model")
+    assert model.exact_answer(" alpha  river ", "alpha river") == 1.0
+    assert model.exact_answer("river alpha", "alpha river") == 0.0
+    # 2 of the answer's 3 words in their place; the completion's extra word counts nothing
+    assert model.word_order("a b x d", "a b c") == 2 / 3
+    assert model.word_order("", "") == 0.0  # no words wanted: 0 of at least 1
+    assert model.same_words("b a", "a b") == 1.0
+    assert model.same_words("a a b", "a b") == 0.0
+    assert sorted(model.reward_functions()) == ["exact_answer", "same_words", "word_order"]
+
+
+def test_the_step_s_values_from_its_totals_by_hand():
+    """Rewards 1, 2, 4 of three completions (sum 7, squares 21): mean 7/3, the unbiased std
+    statistics.stdev gives; 9 tokens, the longest 5, one clipped; KL 0.6 over 12 tokens; the step
+    before generated 2 s of the 4 s since its start."""
+    model = example("model")
+    totals = {
+        "count": 3.0,
+        "reward_sum": 7.0,
+        "reward_squares": 21.0,
+        "tokens": 9.0,
+        "clipped": 1.0,
+        "kl_sum": 0.6,
+        "kl_tokens": 12.0,
+        "previous_generation_s": 2.0,
+        "scores": {"exact_answer": 1.0, "word_order": 2.5},
+        "longest": 5.0,
+    }
+    rl = types.SimpleNamespace(previous=(10.0, 2.0), cfg=types.SimpleNamespace(beta=0.1))
+    values = model.step_values(totals, rl, started=14.0, generation_s=1.0)
+    assert values == pytest.approx(
+        {
+            "reward": 7 / 3,
+            "reward_std": statistics.stdev([1, 2, 4]),
+            "reward_exact_answer": 1 / 3,
+            "reward_word_order": 2.5 / 3,
+            "completion_tokens": 3.0,
+            "completion_tokens_max": 5.0,
+            "clipped_share": 1 / 3,
+            "generation_share": 0.5,
+            "kl": 0.05,
+        },
+        rel=1e-12,
+    )
+    # the first step: no step before; beta 0: no KL; no KL tokens: KL over at least 1
+    no_kl_tokens = {**totals, "kl_tokens": 0.0}
+    first = model.step_values(
+        no_kl_tokens, types.SimpleNamespace(previous=None, cfg=rl.cfg), 14.0, 1.0
+    )
+    assert "generation_share" not in first and first["kl"] == 0.6
+    rl.cfg.beta = 0.0
+    assert "kl" not in model.step_values(totals, rl, 14.0, 1.0)
+    # one completion: no n - 1 = 0 to divide by; a variance rounded below 0 is 0
+    assert model.batch_std({"count": 1.0, "reward_sum": 2.0, "reward_squares": 4.0}) == 0.0
+    assert model.batch_std({"count": 2.0, "reward_sum": 2.0, "reward_squares": 2.0 - 1e-15}) == 0
+
+
+def test_the_eval_metrics_and_items_by_hand():
+    model = example("model")
+    sums = {"prompts": 4.0, "reward": 2.0, "reward_exact_answer": 1.0, "completion_tokens": 10.0}
+    assert model.eval_metrics(sums, None) == {
+        "reward": 0.5,
+        "reward_exact_answer": 0.25,
+        "completion_tokens": 2.5,
+        "pass_rate": 0.25,
+    }
+    assert model.eval_metrics({"prompts": 0.0, "reward": 0.0}, None) == {"reward": 0.0}
+    assert model.loss_items({"items": torch.tensor(7), "prompt_ids": torch.zeros(3, 2)}) == 7
+    assert model.loss_items({"prompt_ids": torch.zeros(3, 2)}) == 3
+    answers = torch.tensor([[97, 98, -1], [195, 169, 32]])
+    assert model.answers_of(answers) == ["ab", "é "]
+    rl = types.SimpleNamespace(weights={"exact_answer": 2.0, "word_order": 0.5})
+    scores = {
+        "exact_answer": torch.tensor([1.0, 0.0], dtype=torch.float64),
+        "word_order": torch.tensor([0.5, 1.0], dtype=torch.float64),
+        "same_words": torch.tensor([9.0, 9.0], dtype=torch.float64),  # not weighed: no weight
+    }
+    assert model.weighted(rl, scores).tolist() == [2.25, 0.5]
+
+
+def test_a_sampler_given_other_rows_than_seeds_is_one_line():
+    sampler = example("model").GumbelSampler([1, 2], temperature=1.0, top_p=1.0)
+    with pytest.raises(RuntimeError) as e:
+        sampler(None, torch.zeros(3, 5))
+    assert str(e.value) == "3 rows to sample, 2 seeds"
