@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import example_file
+from errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -217,3 +218,65 @@ def test_an_eval_set_without_a_whole_turn_reports_the_per_token_metrics_alone(ri
     sums = {"loss": 6.0, "correct": 3.0, "tokens": 4.0, "turns": 0.0, "turns_exact": 0.0}
     metrics = model_file.eval_metrics(sums, cfg)
     assert metrics == pytest.approx({"loss": 1.5, "correct": 0.75, "perplexity": math.exp(1.5)})
+
+
+# ---------------------------------------------------------------- the rest of the chat model's file
+
+
+def test_the_chat_model_s_keys_items_columns_and_block_by_hand(rigged):
+    """Its start-up line whole; the items its .loss averages over (the labelled next tokens); the
+    eval's sums per row from logits worked by hand (two tokens, equal logits: ln 2 each, the argmax
+    token 0); a packed block's positions, none unpacked; the model without a training cache."""
+    model_file, _, cfg, model, tokenizer = rigged
+    with pytest.raises(ConfigError) as e:
+        model_file.check_config(Cfg(hf_model=""))
+    assert str(e.value) == (
+        "hf_model: chat fine-tuning starts from a Hugging Face causal LM: pass --hf_model "
+        "NAME_OR_FOLDER (e.g. Qwen/Qwen2.5-0.5B-Instruct)"
+    )
+    model_file.check_config(cfg)  # a hub model: no line
+    labels = torch.tensor([[-100, 5, 6, -100], [1, -100, 7, 8]])  # the first label is no target
+    assert int(model_file.loss_items({"labels": labels})) == 4
+    output = SimpleNamespace(logits=torch.zeros(2, 3, 2))
+    columns = model_file.eval_columns(
+        output, {"labels": torch.tensor([[-100, 1, 0], [-100, -100, 0]])}
+    )
+    assert {name: values.tolist() for name, values in columns.items()} == {
+        "tokens": [2.0, 1.0],
+        "loss": pytest.approx([2 * math.log(2), math.log(2)]),
+        "accuracy": [1.0, 1.0],
+    }
+    assert model_file.tokens_per_sample(SimpleNamespace(packing=True, block_size=96)) == 96
+    assert model_file.tokens_per_sample(SimpleNamespace(packing=False, block_size=96)) is None
+    assert model.config.use_cache is False
+    ends = sorted(
+        {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    )  # the tokenizer has no padding of its own: the first end pads
+    assert tokenizer.pad_token_id is None
+    assert model_file.turn_ends(cfg) == (ends, ends[0])
+
+
+def test_prompts_are_left_padded_with_the_pad_id_and_masked_there():
+    model_file = example_file("chat_sft", "model")
+    ids, mask = model_file.left_padded([torch.tensor([4, 5, 6]), torch.tensor([7])], pad_id=9)
+    assert ids.tolist() == [[4, 5, 6], [9, 9, 7]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert ids.dtype == mask.dtype == torch.int64
+
+
+def test_whole_turns_are_labelled_runs_with_an_end_from_their_conversation_s_start():
+    """By hand: a row of two packed conversations (positions restart at 4) and a row whose one
+    labelled run has no end of turn (cut at the block's end): (row, conversation's first position,
+    the turn's first, one past its end)."""
+    model_file = example_file("chat_sft", "model")
+    end, x = 2, -100
+    batch = {
+        "input_ids": torch.tensor([[9, 9, 5, 2, 9, 9, 6, 2], [9, 5, 6, 7, 7, 7, 7, 7]]),
+        "labels": torch.tensor([[x, x, 5, 2, x, x, 6, 2], [x, 5, 6, 7, 7, 7, 7, 7]]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]]),
+    }
+    assert model_file.whole_turns(batch, [end]) == [(0, 0, 2, 4), (0, 4, 6, 8)]
+    # an end of turn inside a run: the turn ends with it, what follows in the run is not a turn
+    batch["labels"][1] = torch.tensor([x, 5, 2, 7, x, x, x, x])
+    batch["input_ids"][1] = torch.tensor([9, 5, 2, 7, 9, 9, 9, 9])
+    assert model_file.whole_turns(batch, [end])[-1] == (1, 0, 1, 3)
