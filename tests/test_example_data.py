@@ -517,3 +517,109 @@ def test_unpacked_each_row_is_one_conversation_padded_to_its_batch_s_longest(
             torch.testing.assert_close(logits[row, : len(alone)], alone, rtol=1e-4, atol=1e-5)
     packed, _ = chat.build_datasets(cfg)
     assert len(packed) < len(train)  # packed: several conversations to a block
+
+
+# ---------------------------------------------------------------- the chat data's lines, whole
+
+
+def test_the_chat_data_s_start_up_lines_are_whole(tmp_path, capsys, monkeypatch):
+    chat = example_data("chat_sft")
+    with pytest.raises(ConfigError) as error:
+        chat.check_config(Cfg(dataset=""))
+    assert str(error.value) == (
+        "dataset: pass --dataset, chat JSON lines or prompt/response rows (a file, a folder, or a "
+        "hub name)"
+    )
+    with pytest.raises(ConfigError) as error:
+        chat.check_config(Cfg(dataset="x.jsonl", block_size=0))
+    assert str(error.value) == "block_size must be > 0 (got 0)"
+    chat.check_config(Cfg(dataset="x.jsonl", block_size=1))
+    with pytest.raises(ConfigError) as error:
+        chat.chat_row({"text": "hello", "label": 1}, "f.jsonl line 2")
+    assert str(error.value) == (
+        "dataset f.jsonl line 2 has neither a 'messages' column (chat: a list of {role, content}) "
+        "nor 'prompt' and 'response' columns (columns: text, label)"
+    )
+    assert chat.chat_row({"prompt": 1, "response": 2.5, "x": 0}, "w") == {
+        "prompt": "1",
+        "response": "2.5",
+    }
+    # a hub dataset's conversations, named by split and place; a conversation ending on the user
+    monkeypatch.delenv("RANK", raising=False)
+    ok = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert chat.check_turns([ok, [*ok, {"role": "user", "content": "c"}]], "split 'train'") == 1
+    with pytest.raises(ConfigError) as error:
+        chat.check_turns([ok, ok, [{"role": "user", "content": "a"}]], "split 'test'")
+    assert str(error.value) == (
+        "dataset: split 'test', conversation 3 has no assistant turn, nothing to learn from "
+        "(roles: user)"
+    )
+    chat.warn_of_cut_conversations({"cut": [0, 2, 1]}, "train", 64)
+    chat.warn_of_cut_conversations({"cut": [0, 0]}, "eval", 64)
+    assert capsys.readouterr().err == (
+        "warning: 3 train conversation(s) longer than block_size 64 tokens were cut to it (their "
+        "end is not trained on): raise block_size to keep them whole\n"
+    )
+
+
+def test_collate_pads_each_row_as_a_sequence_of_its_own_that_nothing_counts():
+    """By hand: rows of 3 and 1 tokens; the second padded with id 0, label -100, positions 0, 1."""
+    chat = example_data("chat_sft")
+    rows = [
+        {
+            "input_ids": torch.tensor([5, 6, 7]),
+            "labels": torch.tensor([-100, 6, 7]),
+            "position_ids": torch.tensor([0, 1, 2]),
+        },
+        {
+            "input_ids": torch.tensor([8], dtype=torch.int32),
+            "labels": torch.tensor([8]),
+            "position_ids": torch.tensor([0]),
+        },
+    ]
+    batch = chat.collate(rows)
+    assert {name: value.tolist() for name, value in batch.items()} == {
+        "input_ids": [[5, 6, 7], [8, 0, 0]],
+        "labels": [[-100, 6, 7], [8, -100, -100]],
+        "position_ids": [[0, 1, 2], [0, 0, 1]],
+    }
+    assert all(value.dtype == torch.int64 for value in batch.values())
+
+
+def test_a_block_s_padding_id_is_the_tokenizer_s_then_eos_then_0(chat_tokenizer):
+    """A packed block of one short conversation, padded to 64: with the tokenizer's pad id, its
+    EOS where it has none, 0 where it has neither; labels -100 and positions from 0 there."""
+    from transformers import AutoTokenizer
+
+    chat = example_data("chat_sft")
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.eos_token = "<|im_end|>"  # an EOS other than id 0 (as Qwen's instruct tokenizers)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    ids, labels = chat.encode(messages, tokenizer)
+    missing = 64 - len(ids)
+    eos = tokenizer.eos_token_id
+    assert tokenizer.pad_token_id is None and eos == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for pad, expected in ((None, eos), ("<|im_start|>", None)):
+        if pad:
+            tokenizer.pad_token = pad
+            expected = tokenizer.convert_tokens_to_ids(pad)
+        blocks = chat.pack_conversations({"messages": [messages]}, tokenizer, 64)
+        assert blocks["input_ids"] == [ids + [expected] * missing]
+        assert blocks["labels"] == [labels + [-100] * missing]
+        assert blocks["position_ids"] == [list(range(len(ids))) + list(range(missing))]
+
+    class NoPadNoEos:
+        pad_token_id = None
+        eos_token_id = None
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def apply_chat_template(self, *args, **kwargs):
+            return tokenizer.apply_chat_template(*args, **kwargs)
+
+        def __call__(self, *args, **kwargs):
+            return tokenizer(*args, **kwargs)
+
+    blocks = chat.pack_conversations({"messages": [messages]}, NoPadNoEos(), 64)
+    assert blocks["input_ids"] == [ids + [0] * missing]
