@@ -344,11 +344,13 @@ def test_the_eval_images_are_the_same_share_of_every_class(counts, fraction, per
 
 def test_a_class_of_one_image_is_held_out_as_the_images_come():
     """Stratified, a class of one image cannot be in both parts: datasets' plain split of the
-    rows (seed 0) at max(round(0.25 x 9), 3) = 3 eval images."""
+    rows (seed 0) at max(round(0.5 x 9), 3) = 4 eval images (round(4.5) is 4; datasets' own
+    default share, 0.25, would hold out 3)."""
     images = example_data("image_classification")
     rows = labelled([4, 4, 1])
-    train, held_out = images.hold_out(rows, "label", 0.25)
-    plain = rows.train_test_split(test_size=3, seed=0)
+    train, held_out = images.hold_out(rows, "label", 0.5)
+    assert (len(train), len(held_out)) == (5, 4)
+    plain = rows.train_test_split(test_size=4, seed=0)
     assert list(held_out["i"]) == list(plain["test"]["i"])
     assert list(train["i"]) == list(plain["train"]["i"])
 
