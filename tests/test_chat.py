@@ -589,9 +589,12 @@ def test_the_end_of_turn_is_the_first_special_token_after_the_reply_not_the_conv
     )
     ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert chat.end_of_turn_ids(tokenizer) == set(ids)
-    # Qwen's instruct tokenizers: EOS is <|im_end|>; a conversation written with <|endoftext|>
-    # last: only the first special token after the reply ends it, <|im_end|> alone
+    # Qwen's instruct tokenizers: EOS is <|im_end|>, the padding <|endoftext|> (special too); a
+    # conversation written with <|endoftext|> last: only the first special token after the reply
+    # ends it, <|im_end|> alone
     tokenizer.eos_token = "<|im_end|>"
+    tokenizer.pad_token = "<|endoftext|>"
+    assert ids[1] in tokenizer.all_special_ids
     tokenizer.chat_template = tokenizer.chat_template.replace("eos_token", "'<|endoftext|>'")
     assert chat.end_of_turn_ids(tokenizer) == {ids[0]}
 
