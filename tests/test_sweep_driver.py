@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import optuna
 import pytest
@@ -291,7 +292,11 @@ def test_a_trial_that_fails_before_training_after_one_finished_is_recorded_and_t
         *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "2", "--poll_s", "0.02"),
         *("--", *FAILS_AFTER_THE_FIRST),
     ]
-    assert sweep_script().main(argv) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sweep_script().main(argv) == 0
+    # the failure is told as one (optuna infers FAIL from no value too, with a warning)
+    assert not [w for w in caught if "could not be cast" in str(w.message)]
     out = capsys.readouterr().out
     first, second = trials_of(sweep_dir)
     assert (first.state.name, second.state.name) == ("COMPLETE", "FAIL")
@@ -418,3 +423,47 @@ def test_a_run_folder_still_held_after_the_wait_is_one_line(tmp_path, monkeypatc
     assert str(refused.value) == (
         f"{run_dir} is still in use by the processes of an earlier driver after 0.3 s"
     )
+
+
+# the stand-in trial, which first writes its pid where FAKE_PID says
+PID_THEN_FAKE = [
+    sys.executable,
+    "-c",
+    "import os, runpy, sys\n"
+    "open(os.environ['FAKE_PID'], 'w').write(str(os.getpid()))\n"
+    f"sys.argv = [{FAKE[1]!r}, *sys.argv[1:]]\n"
+    f"runpy.run_path({FAKE[1]!r}, run_name='__main__')\n",
+]
+
+
+def test_ctrl_c_stops_the_driver_with_exit_130_and_sends_the_trial_nothing(
+    tmp_path, capsys, own_signals, monkeypatch
+):
+    """Ctrl-C at a terminal reaches the driver and the trial (one process group): here SIGINT to
+    the driver, then to the trial 0.1 s later. The driver sends the trial no SIGTERM of its own (the
+    stand-in would write preempted.json on one), leaves it running in the study for the next start,
+    and exits 130 (SIGTERM: 75)."""
+    pid_file = tmp_path / "trial.pid"
+    monkeypatch.setenv("FAKE_PID", str(pid_file))
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "ctrl_c"
+    first = sweep_dir / "trial_000"
+
+    def ctrl_c():
+        metrics = first / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+            threading.Event().wait(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        threading.Event().wait(0.1)
+        os.kill(int(pid_file.read_text()), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    argv = [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "2", "--poll_s", "0.02"),
+        *("--", *PID_THEN_FAKE),
+    ]
+    assert sweep_script().main(argv) == 130
+    out = capsys.readouterr().out
+    assert "sweep: stopped on SIGINT: the running trial checkpointed; go on with: python " in out
+    assert not (first / "preempted.json").exists()
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["RUNNING"]
