@@ -285,6 +285,9 @@ def test_a_trial_s_error_line_is_its_last_error_else_its_last_line(tmp_path):
     assert module.error_line(log) == "Killed"
     log.write_text("error: " + "x" * 400 + "\n")
     assert module.error_line(log) == "error: " + "x" * 293  # 300 characters
+    # a multi-byte character cut short (a progress bar's, killed mid-write): read, replaced
+    log.write_bytes(b"step 3 \xe2\x96\nerror: CUDA out of memory \xff\n")
+    assert module.error_line(log) == "error: CUDA out of memory \ufffd"
     log.write_text("\n \n")
     assert module.error_line(log) == ""
     assert module.error_line(tmp_path / "none.log") == ""
