@@ -467,3 +467,22 @@ def test_ctrl_c_stops_the_driver_with_exit_130_and_sends_the_trial_nothing(
     assert "sweep: stopped on SIGINT: the running trial checkpointed; go on with: python " in out
     assert not (first / "preempted.json").exists()
     assert [t.state.name for t in trials_of(sweep_dir)] == ["RUNNING"]
+
+
+def test_a_trial_another_driver_is_running_is_left_to_it(tmp_path, capsys, own_signals):
+    """Two drivers share a study (--storage): a RUNNING trial whose driver is another machine's is
+    not resumed here; it counts among the study's trials, so --trials 2 adds one trial."""
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "shared"
+    argv = driver_argv(sweep_dir, space, trials=1)
+    assert sweep_script().main(argv) == 0  # trial 0, this driver's, complete
+    study = optuna.load_study(study_name="shared", storage=f"sqlite:///{sweep_dir / 'study.db'}")
+    elsewhere = study.ask()
+    elsewhere.set_user_attr("driver", f"another-host:{sweep_dir.resolve()}")
+    elsewhere.set_user_attr("run_dir", str(tmp_path / "elsewhere" / "trial_001"))
+    capsys.readouterr()
+    assert sweep_script().main(driver_argv(sweep_dir, space, trials=3)) == 0
+    assert "resuming" not in capsys.readouterr().out
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE", "RUNNING", "COMPLETE"]
+    assert not (tmp_path / "elsewhere").exists()
+    assert len(launches(sweep_dir / "trial_002")) == 1
