@@ -404,25 +404,43 @@ def test_a_trial_preempted_again_and_again_is_resumed_three_times_then_failed(
     assert [t.state.name for t in trials_of(sweep_dir)] == ["FAIL"]
 
 
-def test_a_run_folder_still_held_after_the_wait_is_one_line(tmp_path, monkeypatch):
+def test_a_run_folder_still_held_after_the_wait_is_one_line(tmp_path, monkeypatch, capsys):
     """A free folder (or one never locked) is taken at once; one whose lock stays held past the wait
-    (FREE_FOLDER_WAIT_S, 0.3 s here) is refused naming the folder and the wait."""
+    (FREE_FOLDER_WAIT_S, 1.2 s here: three polls half a second apart) is refused naming the folder
+    and the wait, the wait said once."""
     module = sweep_script()
     run_dir = tmp_path / "trial_000"
     run_dir.mkdir()
     module.wait_until_free(run_dir)  # no .lock
     (run_dir / ".lock").touch()
     module.wait_until_free(run_dir)  # nobody holds it
-    monkeypatch.setattr(module, "FREE_FOLDER_WAIT_S", 0.3)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(module, "FREE_FOLDER_WAIT_S", 1.2)
     with open(run_dir / ".lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         began = time.monotonic()
         with pytest.raises(module.SweepError) as refused:
             module.wait_until_free(run_dir)
-        assert 0.3 <= time.monotonic() - began < 5
+        assert 1.2 <= time.monotonic() - began < 10
     assert str(refused.value) == (
-        f"{run_dir} is still in use by the processes of an earlier driver after 0.3 s"
+        f"{run_dir} is still in use by the processes of an earlier driver after 1.2 s"
     )
+    assert capsys.readouterr().out == (
+        f"sweep: waiting for the earlier trial's processes to let go of {run_dir}\n"
+    )
+
+
+def test_a_run_folder_let_go_during_the_wait_is_taken_at_the_next_poll(tmp_path):
+    """Let go 0.2 s into the wait: taken at the next poll, 0.5 s in (well before 1.5 s)."""
+    module = sweep_script()
+    run_dir = tmp_path / "trial_000"
+    run_dir.mkdir()
+    held = open(run_dir / ".lock", "a")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    threading.Timer(0.2, held.close).start()
+    began = time.monotonic()
+    module.wait_until_free(run_dir)
+    assert 0.2 <= time.monotonic() - began < 1.2
 
 
 # the stand-in trial, which first writes its pid where FAKE_PID says
