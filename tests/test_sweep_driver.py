@@ -308,20 +308,69 @@ def test_a_trial_that_fails_before_training_after_one_finished_is_recorded_and_t
     assert "sweep: trial 1 failed: error: CUDA out of memory\n" in out  # the summary's
 
 
+def rows_then_exit_0(rows: list[dict], first_launch_runs_the_stand_in: bool = False) -> list[str]:
+    """A launch command that writes these metrics rows and exits 0 (after the stand-in's whole
+    run, for the first launch of a sweep, where FAKE_FIRST_DONE says)."""
+    code = (
+        "import json, os, pathlib, runpy, sys\n"
+        "run = pathlib.Path(sys.argv[sys.argv.index('--output_dir') + 1])\n"
+        "marker = os.environ.get('FAKE_FIRST_DONE', '')\n"
+        f"if {first_launch_runs_the_stand_in} and not os.path.exists(marker):\n"
+        "    open(marker, 'w').close()\n"
+        f"    sys.argv = [{FAKE[1]!r}, *sys.argv[1:]]\n"
+        f"    runpy.run_path({FAKE[1]!r}, run_name='__main__')\n"
+        "    sys.exit(0)\n"
+        "run.mkdir(parents=True, exist_ok=True)\n"
+        f"(run / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in {rows!r}))\n"
+    )
+    return [sys.executable, "-c", code]
+
+
 def test_an_objective_no_eval_row_has_stops_the_sweep_naming_what_they_have(
     tmp_path, capsys, own_signals
 ):
-    """objective: accuracy, but the eval rows hold eval_loss alone (the stand-in's): the first
-    trial fails with that line, and with no trial finished the sweep stops on it, exit 2."""
-    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
-    spaced = yaml.safe_load((tmp_path / "space.yaml").read_text())
-    write_space(tmp_path / "space.yaml", **{**spaced, "objective": "accuracy"})
+    """objective: accuracy, but the eval rows hold eval_loss and eval_perplexity: the first trial
+    fails with that line, and with no trial finished the sweep stops on it, exit 2."""
+    space = write_space(
+        tmp_path / "space.yaml",
+        parameters={"lr": {"low": 1e-3, "high": 1e-2}},
+        objective="accuracy",
+    )
     sweep_dir = tmp_path / "objective"
-    assert sweep_script().main(driver_argv(sweep_dir, space, trials=2)) == 2
-    error = "no eval row of trial 0 has 'accuracy' (they have: eval_loss)"
+    rows = [{"step": 1, "loss": 3.0}, {"step": 4, "eval_loss": 2.0, "eval_perplexity": 7.39}]
+    argv = [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "2", "--poll_s", "0.02"),
+        *("--", *rows_then_exit_0(rows)),
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sweep_script().main(argv) == 2
+    assert not [w for w in caught if "could not be cast" in str(w.message)]  # told as failed
+    error = "no eval row of trial 0 has 'accuracy' (they have: eval_loss, eval_perplexity)"
     assert capsys.readouterr().err == f"error: objective: {error}\n"
     (trial,) = trials_of(sweep_dir)
     assert trial.state.name == "FAIL" and trial.user_attrs["error"] == error
+
+
+def test_a_later_trial_without_the_objective_is_failed_and_the_sweep_goes_on(
+    tmp_path, capsys, own_signals, monkeypatch
+):
+    """The first trial finished (the stand-in's eval_loss); the second's rows hold no eval row
+    with eval_loss: failed with that line (they have: none), said, and the sweep ends, exit 0."""
+    monkeypatch.setenv("FAKE_FIRST_DONE", str(tmp_path / "first_done"))
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "later_objective"
+    rows = [{"step": 1, "loss": 3.0}, {"step": 4, "eval_accuracy": 0.5}]
+    argv = [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "2", "--poll_s", "0.02"),
+        *("--", *rows_then_exit_0(rows, first_launch_runs_the_stand_in=True)),
+    ]
+    assert sweep_script().main(argv) == 0
+    error = "no eval row of trial 1 has 'eval_loss' (they have: none)"
+    assert f"sweep: trial 1: failed: {error}\n" in capsys.readouterr().out
+    first, second = trials_of(sweep_dir)
+    assert (first.state.name, second.state.name) == ("COMPLETE", "FAIL")
+    assert second.user_attrs["error"] == error
 
 
 def test_the_summary_table_and_csv_by_hand(tmp_path, capsys, own_signals):
