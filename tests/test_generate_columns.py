@@ -118,7 +118,10 @@ def test_the_prompts_are_each_turn_s_conversation_before_it(rigged, monkeypatch)
     model_file, data_file, cfg, model, tokenizer = rigged
     asked = []
 
+    stops = []
+
     def recording(model, prompt_ids, prompt_mask, ends, pad_id, max_new_tokens):
+        stops.append((ends, pad_id))
         for ids, mask in zip(prompt_ids, prompt_mask, strict=True):
             asked.append(ids[mask.bool()].tolist())
         return torch.full((len(prompt_ids), max_new_tokens), pad_id)
@@ -134,6 +137,9 @@ def test_the_prompts_are_each_turn_s_conversation_before_it(rigged, monkeypatch)
                 )
     expected = [ids if isinstance(ids, list) else ids["input_ids"] for ids in expected]
     assert asked == expected
+    # greedy stops each at the end of turn (<|im_end|> or EOS), padding with the first
+    ends = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
+    assert stops == [(ends, ends[0])]
 
 
 def saying_next(model, following: dict[int, int]):
@@ -211,6 +217,12 @@ def test_a_sharded_rank_without_a_whole_turn_still_generates_once(rigged, monkey
     assert len(asked) == 1
     assert asked[0]["generation_config"].max_new_tokens == 1
     assert asked[0]["input_ids"].shape == (1, 1) and asked[0]["synced_gpus"] is True
+    # one token of the first row, attended, with the run's ends of turn and padding (the
+    # tokenizer has no padding of its own: the first end)
+    assert asked[0]["attention_mask"].tolist() == [[1]]
+    ends = sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id})
+    assert asked[0]["generation_config"].eos_token_id == ends
+    assert asked[0]["generation_config"].pad_token_id == ends[0]
 
 
 def test_an_eval_set_without_a_whole_turn_reports_the_per_token_metrics_alone(rigged):
@@ -248,7 +260,8 @@ def test_the_chat_model_s_keys_items_columns_and_block_by_hand(rigged):
     }
     assert model_file.tokens_per_sample(SimpleNamespace(packing=True, block_size=96)) == 96
     assert model_file.tokens_per_sample(SimpleNamespace(packing=False, block_size=96)) is None
-    assert model.config.use_cache is False
+    # built here, not the fixture's: training's forward runs without the key/value cache
+    assert model_file.build_model(cfg).config.use_cache is False
     ends = sorted(
         {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
     )  # the tokenizer has no padding of its own: the first end pads
@@ -262,6 +275,8 @@ def test_prompts_are_left_padded_with_the_pad_id_and_masked_there():
     assert ids.tolist() == [[4, 5, 6], [9, 9, 7]]
     assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     assert ids.dtype == mask.dtype == torch.int64
+    ids, mask = model_file.left_padded([torch.tensor([4])], pad_id=9)  # one turn alone
+    assert (ids.tolist(), mask.tolist()) == ([[4]], [[1]])
 
 
 def test_whole_turns_are_labelled_runs_with_an_end_from_their_conversation_s_start():
@@ -280,3 +295,7 @@ def test_whole_turns_are_labelled_runs_with_an_end_from_their_conversation_s_sta
     batch["labels"][1] = torch.tensor([x, 5, 2, 7, x, x, x, x])
     batch["input_ids"][1] = torch.tensor([9, 5, 2, 7, 9, 9, 9, 9])
     assert model_file.whole_turns(batch, [end])[-1] == (1, 0, 1, 3)
+    # a run from the row's first position (a fork's data may label it): a turn from there
+    batch["labels"][1] = torch.tensor([5, 2, x, x, x, x, x, x])
+    batch["input_ids"][1] = torch.tensor([5, 2, 9, 9, 9, 9, 9, 9])
+    assert model_file.whole_turns(batch, [end])[-1] == (1, 0, 0, 2)
