@@ -308,9 +308,12 @@ def test_a_trial_that_fails_before_training_after_one_finished_is_recorded_and_t
     assert "sweep: trial 1 failed: error: CUDA out of memory\n" in out  # the summary's
 
 
-def rows_then_exit_0(rows: list[dict], first_launch_runs_the_stand_in: bool = False) -> list[str]:
+def rows_then_exit_0(
+    rows: list[dict], first_launch_runs_the_stand_in: bool = False, exit_code: int = 0
+) -> list[str]:
     """A launch command that writes these metrics rows and exits 0 (after the stand-in's whole
-    run, for the first launch of a sweep, where FAKE_FIRST_DONE says)."""
+    run, for the first launch of a sweep, where FAKE_FIRST_DONE says), or exit_code with an
+    `error:` line."""
     code = (
         "import json, os, pathlib, runpy, sys\n"
         "run = pathlib.Path(sys.argv[sys.argv.index('--output_dir') + 1])\n"
@@ -322,6 +325,9 @@ def rows_then_exit_0(rows: list[dict], first_launch_runs_the_stand_in: bool = Fa
         "    sys.exit(0)\n"
         "run.mkdir(parents=True, exist_ok=True)\n"
         f"(run / 'metrics.jsonl').write_text(''.join(json.dumps(r) + '\\n' for r in {rows!r}))\n"
+        f"if {exit_code}:\n"
+        "    print('error: the loss is nan', file=sys.stderr)\n"
+        f"    sys.exit({exit_code})\n"
     )
     return [sys.executable, "-c", code]
 
@@ -553,3 +559,25 @@ def test_a_trial_another_driver_is_running_is_left_to_it(tmp_path, capsys, own_s
     assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE", "RUNNING", "COMPLETE"]
     assert not (tmp_path / "elsewhere").exists()
     assert len(launches(sweep_dir / "trial_002")) == 1
+
+
+def test_a_trial_that_failed_after_its_evals_shows_its_last_eval_in_the_summary(
+    tmp_path, capsys, own_signals
+):
+    """Evals 2.5, 2.25 and 2.125 at steps 4, 8 and 12, then exit 1: failed with no value of its
+    own, its row in trials.csv the last eval, 2.125, at step 12."""
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "failed_late"
+    evals = {4: 2.5, 8: 2.25, 12: 2.125}
+    rows = [{"step": step, "eval_loss": value} for step, value in evals.items()]
+    argv = [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "1", "--poll_s", "0.02"),
+        *("--", *rows_then_exit_0(rows, exit_code=1)),
+    ]
+    assert sweep_script().main(argv) == 0
+    (trial,) = trials_of(sweep_dir)
+    assert trial.state.name == "FAIL" and trial.value is None
+    assert trial.intermediate_values == evals
+    row = (sweep_dir / "trials.csv").read_bytes().decode().splitlines()[1]
+    assert row == f"0,fail,2.125,12,{trial.params['lr']!r},{sweep_dir / 'trial_000'}"
+    assert "sweep: trial 0 failed: error: the loss is nan\n" in capsys.readouterr().out
