@@ -205,8 +205,9 @@ def test_a_sharded_rank_without_a_whole_turn_still_generates_once(rigged, monkey
         return torch.cat([input_ids, torch.zeros(len(input_ids), new, dtype=torch.long)], -1)
 
     recording = SimpleNamespace(generation_config=None, generate=generate)
-    monkeypatch.setattr(model_file, "sharded", lambda model: True)
-    monkeypatch.setattr(chat, "sharded", lambda model: True)
+    # sharded: asked of the model generating
+    monkeypatch.setattr(model_file, "sharded", lambda model: model is recording)
+    monkeypatch.setattr(chat, "sharded", lambda model: model is recording)
     # the cut turn and the one past the block's end: no whole turn in either row
     no_whole_turn = batch_of(data_file, tokenizer, packing=False, conversations=CONVERSATIONS[3:])
     columns = model_file.generate_columns(recording, no_whole_turn, cfg)
