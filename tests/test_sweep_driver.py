@@ -544,7 +544,9 @@ def test_ctrl_c_stops_the_driver_with_exit_130_and_sends_the_trial_nothing(
 
 def test_a_trial_another_driver_is_running_is_left_to_it(tmp_path, capsys, own_signals):
     """Two drivers share a study (--storage): a RUNNING trial whose driver is another machine's is
-    not resumed here; it counts among the study's trials, so --trials 2 adds one trial."""
+    not resumed here, nor one asked for by a driver that died before it named itself; they count
+    among the study's trials, so --trials 4 adds one. In the summary they have no value, no step,
+    no lr (none drawn here) and the run folder they were given, or none."""
     space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
     sweep_dir = tmp_path / "shared"
     argv = driver_argv(sweep_dir, space, trials=1)
@@ -553,12 +555,16 @@ def test_a_trial_another_driver_is_running_is_left_to_it(tmp_path, capsys, own_s
     elsewhere = study.ask()
     elsewhere.set_user_attr("driver", f"another-host:{sweep_dir.resolve()}")
     elsewhere.set_user_attr("run_dir", str(tmp_path / "elsewhere" / "trial_001"))
+    study.ask()  # trial 2: no driver, no run folder
     capsys.readouterr()
-    assert sweep_script().main(driver_argv(sweep_dir, space, trials=3)) == 0
+    assert sweep_script().main(driver_argv(sweep_dir, space, trials=4)) == 0
     assert "resuming" not in capsys.readouterr().out
-    assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE", "RUNNING", "COMPLETE"]
+    states = [t.state.name for t in trials_of(sweep_dir)]
+    assert states == ["COMPLETE", "RUNNING", "RUNNING", "COMPLETE"]
     assert not (tmp_path / "elsewhere").exists()
-    assert len(launches(sweep_dir / "trial_002")) == 1
+    assert len(launches(sweep_dir / "trial_003")) == 1
+    rows = (sweep_dir / "trials.csv").read_bytes().decode().splitlines()
+    assert rows[2:4] == [f"1,running,,,,{tmp_path / 'elsewhere' / 'trial_001'}", "2,running,,,,"]
 
 
 def test_a_trial_that_failed_after_its_evals_shows_its_last_eval_in_the_summary(
