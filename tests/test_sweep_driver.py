@@ -587,3 +587,47 @@ def test_a_trial_that_failed_after_its_evals_shows_its_last_eval_in_the_summary(
     row = (sweep_dir / "trials.csv").read_bytes().decode().splitlines()[1]
     assert row == f"0,fail,2.125,12,{trial.params['lr']!r},{sweep_dir / 'trial_000'}"
     assert "sweep: trial 0 failed: error: the loss is nan\n" in capsys.readouterr().out
+
+
+def test_the_best_trial_is_said_with_each_of_its_values(tmp_path, capsys):
+    """--summary over a study of two trials in two parameters (added to it directly, nothing run):
+    the best (lowest eval_loss) named with both of its values, as flags."""
+    import optuna.distributions as d
+
+    module = sweep_script()
+    sweep_dir = tmp_path / "two"
+    sweep_dir.mkdir()
+    space = {
+        "objective": "eval_loss",
+        "direction": "minimize",
+        "sampler": "tpe",
+        "seed": 0,
+        "pruner": "none",
+        "parameters": {"lr": {"low": 1e-3, "high": 1e-2}, "warmup_steps": {"low": 0, "high": 9}},
+    }
+    (sweep_dir / module.SWEEP_FILE).write_text(yaml.safe_dump({"space": space, "command": ["x"]}))
+    study = optuna.create_study(study_name="two", storage=f"sqlite:///{sweep_dir / 'study.db'}")
+    ranges = {"lr": d.FloatDistribution(1e-3, 1e-2), "warmup_steps": d.IntDistribution(0, 9)}
+    for value, lr, warmup in ((2.5, 0.004, 3), (1.5, 0.002, 7)):
+        study.add_trial(
+            optuna.trial.create_trial(
+                value=value,
+                params={"lr": lr, "warmup_steps": warmup},
+                distributions=ranges,
+                user_attrs={"run_dir": f"runs/{lr}"},
+                intermediate_values={4: value},
+            )
+        )
+    assert module.main(["--sweep_dir", str(sweep_dir), "--summary"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == [
+        "trial",
+        "state",
+        "eval_loss",
+        "step",
+        "lr",
+        "warmup_steps",
+        "run",
+        "folder",
+    ]
+    assert "sweep: best: trial 1, eval_loss 1.5 (lr 0.002, warmup_steps 7): runs/0.002" in out
