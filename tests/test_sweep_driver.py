@@ -618,7 +618,12 @@ def test_the_best_trial_is_said_with_each_of_its_values(tmp_path, capsys):
                 intermediate_values={4: value},
             )
         )
+    plotted = []
+    real = module.plot
+    module.plot = lambda trials, *given: plotted.append(given) or real(trials, *given)
     assert module.main(["--sweep_dir", str(sweep_dir), "--summary"]) == 0
+    # the plot of the sweep's objective and direction, in its folder
+    assert plotted == [("eval_loss", "minimize", sweep_dir / "objective.png")]
     out = capsys.readouterr().out.splitlines()
     assert out[0].split() == [
         "trial",

@@ -108,3 +108,20 @@ def test_the_plot_is_a_1200_by_450_png(tmp_path):
     sweep_script().plot(study_of([2.0, 1.0]).trials, "eval_loss", "minimize", path)
     with Image.open(path) as image:
         assert (image.format, image.size) == ("PNG", (1200, 450))
+
+
+def test_the_plot_draws_the_objective_and_direction_it_is_given(tmp_path, monkeypatch):
+    """plot() hands drawing() the sweep's objective and direction (its axis labels, its best so
+    far): read from the figure it saves."""
+    module = sweep_script()
+    drawn = []
+    real = module.drawing
+
+    def recorded(trials, objective, direction):
+        figure = real(trials, objective, direction)
+        drawn.append((objective, direction, list(figure.axes[0].get_lines()[1].get_ydata())))
+        return figure
+
+    monkeypatch.setattr(module, "drawing", recorded)
+    module.plot(study_of([2.0, 3.0]).trials, "accuracy", "maximize", tmp_path / "objective.png")
+    assert drawn == [("accuracy", "maximize", [2.0, 3.0])]
