@@ -641,3 +641,46 @@ def test_a_store_lost_before_the_alarm_makes_the_local_rank_0_say_the_store_s_no
     line, says = hangs.explain(RuntimeError("Connection closed by peer"))
     assert watch.store_gone and says
     assert "and the job's store at " in line and "the main node is gone" in line
+
+
+@pytest.mark.parametrize(
+    "local_rank, store_gone, says",
+    [("0", True, True), ("1", True, False), ("0", False, False)],
+)
+def test_after_the_launchers_sigterm_only_a_node_that_lost_the_main_node_says_its_line(
+    local_rank, store_gone, says, tmp_path, monkeypatch, capsys
+):
+    """A rank whose collective fails after its launcher's SIGTERM: with the job's store alive, the
+    SIGTERM means one of this node's ranks failed first with a line of its own, so the rank that
+    claimed the job's line says nothing; with the store gone, the main node's launcher is gone too,
+    and the SIGTERM came because a silent local rank ended while this one waited on it in a
+    collective: the node's local rank 0 says the line, exit 1, or no node says anything (1 run in 8
+    of test_two_node.py's main-node kill, under load)."""
+    import job
+
+    monkeypatch.setattr(hangs, "ANSWER_WAIT_S", 0.05)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    watch = hangs.Watch(
+        SimpleNamespace(process_index=2, num_processes=4, device="cpu"),
+        RunConfig(output_dir=str(tmp_path)),
+    )
+    watch.store = Store()
+    watch.store.gone = store_gone
+    monkeypatch.setattr(hangs, "_watch", watch)
+    monkeypatch.setattr(job.stop_signals, "signal_name", "SIGTERM")
+    hang = hangs.explain(RuntimeError("Connection closed by peer"))
+    # the store alive: this rank claims the line, and the SIGTERM says another rank spoke first
+    assert hang[1] is (local_rank == "0")
+    with pytest.raises(SystemExit) as exited:
+        job.exit_after_a_failed_collective(*hang)
+    assert exited.value.code == 1
+    said = capsys.readouterr().err.splitlines()
+    if not says:
+        assert said == []
+        return
+    assert len(said) == 1 and said[0].startswith("error: a collective in "), said
+    assert "lost a peer on rank(s) 2, and the job's store at 10.0.0.1:29500 with it" in said[0]
+    assert "the main node is gone (killed, or down)" in said[0]

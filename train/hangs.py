@@ -303,6 +303,11 @@ def describe(watch: Watch, error: RuntimeError) -> str:
     return f"{where} {how} on rank(s) {on_ranks}: {said_all} (each rank's note and stack: {folder})"
 
 
+def main_node_gone() -> bool:
+    """Whether this rank found the job's store gone, and with it the node that held it (rank 0's)."""
+    return _watch is not None and _watch.store_gone
+
+
 def stop_watching() -> None:
     """At the job's end, before the process group goes: the listening thread stops."""
     if _watch is not None:

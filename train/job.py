@@ -25,7 +25,7 @@ from checkpoint import read_manifest, run_geometry
 from checks import check_dataset_name, check_devices, check_launch, check_model_and_tokenizer
 from config import TrainConfig
 from errors import CheckpointError, ConfigError, RunError, first_line, the_line
-from hangs import SILENT_WAIT_S, stop_watching
+from hangs import SILENT_WAIT_S, main_node_gone, stop_watching
 from hangs import explain as explain_hang
 from harness import check_tasks
 from plumbing import close_process_group, collectively, is_writer
@@ -278,8 +278,10 @@ def exit_after_a_failed_collective(line: str, says_it: bool) -> None:
     chose. Its wait for the others' notes gave the launcher time to stop this node if one of its
     ranks failed first, with a line of its own: then this one says nothing. The other ranks wait
     for their launcher to stop them (were one to end first, its launcher would stop the one saying
-    the line)."""
-    if says_it and stop_signals.signal_name != "SIGTERM":
+    the line). With the main node gone, its launcher and the store with it, this node's line is the
+    only one: said even after the launcher's SIGTERM, which a silent local rank's end (after
+    SILENT_WAIT_S) brings while this rank still waits in a collective on it."""
+    if says_it and (stop_signals.signal_name != "SIGTERM" or main_node_gone()):
         say_and_exit(RunError(line))
     if stop_signals.signal_name == "SIGTERM":
         sys.exit(1)

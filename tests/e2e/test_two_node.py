@@ -230,7 +230,6 @@ def test_when_the_main_node_dies_the_other_says_one_line_naming_the_store_s_node
     its local rank 0, that names the main node gone; no worker traceback."""
     out = tmp_path / "run"
     said = kill_a_node_after_step_4(out, two_node_args(out, corpus), tmp_path, dead=0)
-    open("/tmp/said.txt", "a").write(said + "\n=====\n")
     lines = error_lines(said)
     assert len(lines) == 1, said[-3000:]
     assert "the main node is gone (killed, or down)" in lines[0], lines[0]
