@@ -2585,6 +2585,16 @@ BREAKS = (
             "tests/test_rl.py::test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone",
         ),
     ),
+    Break(
+        "fault54 hangs: a node that lost the main node stays silent after its launcher's SIGTERM (no "
+        "node says the job's line, 1 run in 8 of the main-node kill)",
+        "train/job.py",
+        'if says_it and (stop_signals.signal_name != "SIGTERM" or main_node_gone()):',
+        'if says_it and stop_signals.signal_name != "SIGTERM":',
+        (
+            "tests/test_hang_watch.py::test_after_the_launchers_sigterm_only_a_node_that_lost_the_main_node_says_its_line",
+        ),
+    ),
 )
 
 
