@@ -826,9 +826,7 @@ def test_a_hub_style_table_without_an_answer_column_is_one_line(chat_llama, tmp_
     cfg = Cfg(hf_model=str(chat_llama), dataset=str(dataset))
     with pytest.raises(ConfigError) as e:
         example("data").check_config(cfg)
-    assert "has no an 'answer' column" in str(e.value) and "columns: prompt, solution" in str(
-        e.value
-    )
+    assert "has no 'answer' column" in str(e.value) and "columns: prompt, solution" in str(e.value)
 
 
 def broken(completion: str, answer: str) -> float:
@@ -1018,7 +1016,7 @@ def test_the_data_s_start_up_lines_whole(chat_llama, tmp_path):
     assert data_refusal(
         data.check_config, Cfg(hf_model=str(chat_llama), dataset=str(no_prompt))
     ) == (
-        f"dataset '{no_prompt}' has no a 'prompt' or 'messages' column: RL with verifiable "
+        f"dataset '{no_prompt}' has no 'prompt' or 'messages' column: RL with verifiable "
         "rewards needs prompts and the answers the rewards check (columns: question, answer)"
     )
     no_answer = tmp_path / "no_answer.csv"
@@ -1026,7 +1024,7 @@ def test_the_data_s_start_up_lines_whole(chat_llama, tmp_path):
     assert data_refusal(
         data.check_config, Cfg(hf_model=str(chat_llama), dataset=str(no_answer))
     ) == (
-        f"dataset '{no_answer}' has no an 'answer' column: RL with verifiable rewards needs "
+        f"dataset '{no_answer}' has no 'answer' column: RL with verifiable rewards needs "
         "prompts and the answers the rewards check (columns: prompt, solution)"
     )
 

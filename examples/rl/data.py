@@ -185,7 +185,7 @@ def load_prompts(cfg):
     splits = read_splits(cfg, prompt_row)  # a local JSON file's rows: prompt_row's, naming the line
     columns = splits[cfg.dataset_split].column_names
     if "answer" not in columns or not {"prompt", "messages"} & set(columns):
-        missing = "an 'answer'" if "answer" not in columns else "a 'prompt' or 'messages'"
+        missing = "'answer'" if "answer" not in columns else "'prompt' or 'messages'"
         raise ConfigError(
             f"dataset '{cfg.dataset}' has no {missing} column: RL with verifiable rewards needs "
             f"prompts and the answers the rewards check (columns: {', '.join(columns)})"
