@@ -20,6 +20,7 @@ equivalent). scripts/mutations.py stays for end-to-end behaviour (kills mid-save
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -457,6 +458,17 @@ def since_score(since: str) -> int:
     return 0
 
 
+def save(module: str, result: dict, merge: bool) -> dict:
+    """Write this module's row into the json, read again under a lock: runs of other modules may have
+    written theirs since this one started (each run takes minutes to hours), and theirs are kept."""
+    with open(Path(tempfile.gettempdir()) / "mutation-score.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        measured = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        measured[module] = merged(measured[module], result) if merge else result
+        RESULTS.write_text(json.dumps(measured, indent=1) + "\n")
+    return measured[module]["counts"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("modules", nargs="*", help=f"of {', '.join(MODULES)} (default: every one)")
@@ -479,22 +491,16 @@ def main() -> None:
     unknown = [module for module in args.modules if module not in MODULES]
     if unknown:
         parser.error(f"no module {unknown[0]!r} is measured (choose from {', '.join(MODULES)})")
-    measured = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     if args.table:
-        print(table(measured))
+        print(table(json.loads(RESULTS.read_text())))
         return
     for module in args.modules or list(MODULES):
         print(
             f"{module}: mutating {source_of(module)}, tests {' '.join(MODULES[module])}", flush=True
         )
-        if args.functions:
-            again = run_module(module, MODULES[module], args.functions)
-            measured[module] = merged(measured[module], again)
-        else:
-            measured[module] = run_module(module, MODULES[module])
-        counts = measured[module]["counts"]
+        result = run_module(module, MODULES[module], args.functions)
+        counts = save(module, result, merge=bool(args.functions))
         print(f"{module}: {killed_share(counts):.0%} killed {counts}", flush=True)
-        RESULTS.write_text(json.dumps(measured, indent=1) + "\n")
     print(f"results: {RESULTS}; the survivors' triage goes into {REPORT}")
 
 
