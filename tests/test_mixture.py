@@ -356,3 +356,86 @@ def test_describe_gives_each_source_its_share_and_what_it_overrides():
         " {path: c, split: test, weight: 0}, {path: d, text_column: body, weight: 4}]"
     )
     assert describe(sources) == "a.jsonl:0.375,owner/b@en:0.125,c[test,-]:0,d[-,body]:0.5"
+
+
+def test_equal_remainders_go_to_the_first_sources_past_sixteen_of_them():
+    """Twenty shards, ten of weight 1 then ten of weight 2, share 33 samples: 1.1 and 2.2 each, 30 in whole
+    samples, and the 3 spare ones to the largest remainders, 0.2 for all ten heavy shards alike: the first
+    three of them (shards 10, 11, 12). NumPy's default sort breaks such ties one way with its AVX-512
+    kernel and another without (12, 13, 15 against 19, 17, 16 here), so the pass would change with the
+    machine a run resumes on."""
+    assert apportion([1] * 10 + [2] * 10, 33) == [1] * 10 + [3, 3, 3] + [2] * 7
+
+
+class Recording(torch.utils.data.Dataset):
+    """Sample i is base + i; every read is recorded: a list for one batch read, an int for one sample."""
+
+    def __init__(self, base: int, size: int):
+        self.base, self.size, self.reads = base, size, []
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return self.base + index
+
+    def __getitems__(self, indices):
+        self.reads.append(list(indices))
+        return [self.base + index for index in indices]
+
+
+def test_concatenation_reads_a_batch_reader_once_per_part():
+    """Parts of 5 and 3 with a batch reader (ArrowBlocks' fast path): concatenation indices 6, 0, 7, 4, 5 are
+    the second part's 1, 2, 0 and the first part's 0, 4, each part read in one call with its indices in the
+    batch's order, never one sample at a time."""
+    first, second = Recording(0, 5), Recording(100, 3)
+    joined = Concatenation({"a": first, "b": second})
+    assert joined.__getitems__([6, 0, 7, 4, 5]) == [101, 0, 102, 4, 100]
+    assert first.reads == [[0, 4]] and second.reads == [[1, 2, 0]]
+
+
+def test_a_pass_draws_one_permutation_per_source_and_epoch_it_reaches():
+    """Sizes 4 and 6, weights 0.5/0.5, global batch 2: passes of 10 samples, 5 from each. Pass 0 draws the
+    small source's 0-4 (its epoch 0, and draw 4 of epoch 1) and the big one's 0-4 (epoch 0); pass 1 the
+    small one's 5-9 (epochs 1 and 2) and the big one's 5-9 (epochs 0 and 1). One permutation per source and
+    epoch, not one per draw (a permutation of a million-sample source per sample would never finish)."""
+    sampler = MixtureSampler([4, 6], [0.5, 0.5], seed=0, samples_per_step=2)
+    made = []
+    permutation = sampler.permutation
+
+    def recorded(source, epoch):
+        made.append((source, epoch))
+        return permutation(source, epoch)
+
+    sampler.permutation = recorded
+    sampler.pass_order(0)
+    assert made == [(0, 0), (0, 1), (1, 0)]
+    made.clear()
+    sampler.pass_order(1)
+    assert made == [(0, 1), (0, 2), (1, 0), (1, 1)]
+
+
+def test_a_part_whose_batch_reader_miscounts_is_an_error():
+    """A fork's batch reader that answers fewer or more samples than it was asked for: a ValueError at that
+    read, not a batch with a hole (None) or with a sample silently left out."""
+
+    class Miscounting(Recording):
+        def __init__(self, answer):
+            super().__init__(0, 4)
+            self.answer = answer
+
+        def __getitems__(self, indices):
+            return self.answer(super().__getitems__(indices))
+
+    for answer in (lambda read: read[:-1], lambda read: [*read, 3]):
+        with pytest.raises(ValueError):
+            Concatenation({"a": Miscounting(answer)}).__getitems__([0, 1, 2])
+
+
+def test_a_sampler_with_more_sizes_than_weights_is_an_error():
+    """Sizes and weights pair up one to one (data_order builds both from the same named sources); three sizes
+    with two weights is a ValueError when the pass is made, not a pass that leaves the third source out."""
+    sampler = MixtureSampler([4, 4, 4], [0.5, 0.5], seed=0, samples_per_step=4)
+    with pytest.raises(ValueError):
+        list(sampler)
