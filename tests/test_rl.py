@@ -986,6 +986,27 @@ class SimpleTokenizer:
             "dataset: f line 3: its prompt ends on the assistant's turn, not the user's: the "
             "model answers the last turn",
         ),
+        (  # three turns: the last one's role is named (the second's is the user's)
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "yo"},
+                ],
+                "answer": "x",
+            },
+            "dataset: f line 3: its prompt ends on the assistant's turn, not the user's: the "
+            "model answers the last turn",
+        ),
+        (  # a chat's bad message is named by the row it is in
+            {"messages": [{"role": "user"}], "answer": "x"},
+            "dataset: f line 3: every message needs a 'role' and a 'content' string (or a list "
+            "of text parts)",
+        ),
+        (
+            {"prompt": ["hi"], "answer": "x"},
+            "dataset: f line 3: every message needs a 'role' and a 'content' string",
+        ),
         (
             {"prompt": "hi", "answer": True},
             "dataset: f line 3: its answer must be a string or a number (got bool)",
@@ -1076,6 +1097,167 @@ def test_the_longest_prompt_and_max_new_tokens_fit_the_model_s_positions_exactly
         f"{filled + 1} positions, beyond the model's 128: the prompt alone fills them: shorten "
         "the prompt"
     )
+
+
+def prompt_tokens(chat_llama, messages: list[dict]) -> list[int]:
+    """A prompt's tokens as transformers' own apply_chat_template writes them, the assistant's
+    turn begun."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+
+
+def test_a_prompt_too_long_in_the_eval_split_alone_is_one_line_naming_it(chat_llama, tmp_path):
+    """The eval set is generated from too: its longest prompt is checked as the train split's
+    are. Train's prompts fit; validation.jsonl's line 2 is one token too many for 128 positions."""
+    folder = tmp_path / "prompts"
+    write_jsonl(folder / "train.jsonl", [{"prompt": "sort: a b", "answer": "a b"}] * 3)
+    long_prompt = "sort: " + "river " * 8
+    write_jsonl(
+        folder / "validation.jsonl",
+        [{"prompt": "sort: b a", "answer": "a b"}, {"prompt": long_prompt, "answer": "river"}],
+    )
+    # the tiny chat Llama's 128 positions (conftest); the prompt's tokens counted by transformers
+    longest = len(prompt_tokens(chat_llama, [{"role": "user", "content": long_prompt}]))
+    short = len(prompt_tokens(chat_llama, [{"role": "user", "content": "sort: a b"}]))
+    max_new_tokens = 129 - longest  # one position past 128 after the long prompt
+    assert short + max_new_tokens <= 128  # the train split's prompts alone fit
+    cfg = Cfg(hf_model=str(chat_llama), dataset=str(folder), max_new_tokens=max_new_tokens)
+    assert data_refusal(example("data").check_config, cfg) == (
+        f"max_new_tokens: {max_new_tokens} after the longest prompt ({folder / 'validation.jsonl'} "
+        f"line 2: {longest} tokens) is 129 positions, beyond the model's 128: lower "
+        f"max_new_tokens to {128 - longest} or shorten the prompt"
+    )
+
+
+def model_folder(folder: Path, config: dict) -> str:
+    """A model's folder holding only its config.json, as AutoConfig reads it."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "longest, max_new_tokens, fix",
+    [
+        # 40 positions: a prompt of 39 tokens leaves room for 1 new token
+        (39, 2, "lower max_new_tokens to 1 or shorten the prompt"),
+        # a prompt of 40 tokens leaves none: no max_new_tokens helps
+        (40, 1, "the prompt alone fills them: shorten the prompt"),
+    ],
+)
+def test_the_fix_said_for_a_room_of_1_and_of_0(tmp_path, longest, max_new_tokens, fix):
+    data = example("data")
+    model = model_folder(tmp_path / "model", {"model_type": "llama", "max_position_embeddings": 40})
+    cfg = Cfg(hf_model=model, max_new_tokens=max_new_tokens)
+    train = data.Part(rows=[], lengths=[(12, "f line 1"), (longest, "f line 2")])
+    held_out = data.Part(rows=[], lengths=[(5, "g line 1")])
+    # 39 + 2 = 40 + 1 = 41 positions, past 40
+    assert data_refusal(data.check_room, cfg, train, held_out) == (
+        f"max_new_tokens: {max_new_tokens} after the longest prompt (f line 2: {longest} tokens) "
+        f"is 41 positions, beyond the model's 40: {fix}"
+    )
+
+
+def test_a_model_whose_config_has_no_max_position_embeddings_leaves_nothing_to_check(tmp_path):
+    """T5's config has no max_position_embeddings (its positions are relative): no line, whatever
+    the lengths."""
+    data = example("data")
+    model = model_folder(tmp_path / "t5", {"model_type": "t5"})
+    cfg = Cfg(hf_model=model, max_new_tokens=10**6)
+    assert data.check_room(cfg, data.Part(rows=[], lengths=[(10**6, "f line 1")])) is None
+
+
+def test_a_file_of_messages_and_answers_without_a_prompt_column_is_read(chat_llama, tmp_path):
+    """A Parquet table (read by datasets, not row by row as JSON is) whose chats are in a messages
+    column: each row's prompt is its chat through the chat template, its answer's bytes."""
+    import datasets
+
+    chats = {
+        "train": [
+            ([{"role": "user", "content": "sort: b a"}], "a b"),
+            (
+                [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "sort: d c"},
+                ],
+                "c d",
+            ),
+        ],
+        "validation": [([{"role": "user", "content": "sort: f e"}], "e f")],
+    }
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    for split, rows in chats.items():
+        table = [{"messages": messages, "answer": answer} for messages, answer in rows]
+        datasets.Dataset.from_list(table).to_parquet(str(folder / f"{split}.parquet"))
+    cfg = Cfg(hf_model=str(chat_llama), dataset=str(folder))
+    train, held_out = example("data").build_datasets(cfg)
+    for part, split in ((train, "train"), (held_out, "validation")):
+        assert [row["prompt_ids"] for row in part] == [
+            prompt_tokens(chat_llama, messages) for messages, _ in chats[split]
+        ]
+        # the answers' UTF-8 bytes, by hand: "a b" is 0x61 0x20 0x62
+        assert [row["answer_bytes"] for row in part] == [
+            list(answer.encode()) for _, answer in chats[split]
+        ]
+    assert train[0]["answer_bytes"] == [0x61, 0x20, 0x62]
+
+
+def hub(monkeypatch, configs: dict):
+    """datasets.load_dataset as the hub answers for a dataset of these configurations, offline:
+    {configuration: {split: rows}}; no configuration named is refused, as the hub refuses it for
+    a dataset of several."""
+    import datasets
+
+    def load_dataset(name, configuration=None):
+        if configuration not in configs:
+            raise ValueError(
+                f"Config name is missing. Please pick one among the available configs: "
+                f"{list(configs)}"
+            )
+        return datasets.DatasetDict(
+            {
+                split: datasets.Dataset.from_list(rows)
+                for split, rows in configs[configuration].items()
+            }
+        )
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+
+
+def sorts(*words: str) -> list[dict]:
+    return [{"prompt": f"sort: {w}", "answer": " ".join(sorted(w.split()))} for w in words]
+
+
+def test_a_hub_dataset_s_configuration_is_the_one_read(chat_llama, monkeypatch):
+    hub(
+        monkeypatch,
+        {
+            "easy": {"train": sorts("b a"), "validation": sorts("d c")},
+            "hard": {"train": sorts("z y x", "q p o"), "validation": sorts("k j i")},
+        },
+    )
+    cfg = Cfg(hf_model=str(chat_llama), dataset="owner/sorting", dataset_config="hard")
+    train, held_out = example("data").build_datasets(cfg)
+    # the hard configuration's answers, sorted by hand
+    assert [bytes(row["answer_bytes"]).decode() for row in train] == ["x y z", "o p q"]
+    assert [bytes(row["answer_bytes"]).decode() for row in held_out] == ["i j k"]
+
+
+def test_the_check_of_each_split_s_prompts_is_said_on_its_progress_bar(
+    chat_llama, monkeypatch, capfd
+):
+    hub(monkeypatch, {None: {"train": sorts("b a", "d c"), "test": sorts("f e")}})
+    cfg = Cfg(hf_model=str(chat_llama), dataset="owner/progress")
+    example("data").build_datasets(cfg)
+    bars = capfd.readouterr().err
+    # chat.checked_splits' bar: "checking the {split} {noun}", the noun the example's own
+    assert "checking the train prompts: 100%" in bars
+    assert "checking the test prompts: 100%" in bars
 
 
 # ---------------------------------------------------------------- the RL keys, line by line
