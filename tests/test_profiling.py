@@ -1,14 +1,17 @@
 """profiling.py in one process: the window's edges (a resume inside it records the rest), what a run with a
 window shows on the console (one line naming the traces, none of the profiler's own), the start clock's
 arithmetic, and the one-line refusals and out-of-memory line (the window across ranks and a stop:
-tests/e2e/test_tracking_runs.py; a stop inside it: tests/e2e/test_resume.py)."""
+tests/e2e/test_tracking_runs.py; a stop inside it: tests/e2e/test_resume.py). The CUDA parts (the memory
+history, the snapshots, the profiler's CUDA activity) against torch's CUDA calls faked: FakeGpu."""
 
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +21,7 @@ from checks import check_devices
 from conftest import MAIN, REPO, base_env, tiny_args
 from errors import ConfigError
 from job import out_of_memory
-from profiling import ProfilerWindow, StartClock, profile_window, restart_line
+from profiling import ProfilerWindow, StartClock, profile_window, restart_line, write_oom_snapshot
 from run_config import config_class
 
 RunConfig = config_class()
@@ -552,3 +555,213 @@ def test_a_window_that_closes_on_its_last_step_counts_every_rank_and_one_closed_
     assert ranks.reduced == 0
     said = capsys.readouterr().out
     assert " (1 file, " in said and "rank0.steps_2-2.pt.trace.json, and each other rank's;" in said
+
+
+class FakeGpu:
+    """What profiling.py asks of a CUDA machine, faked on this CPU one: torch.cuda.is_available; the
+    allocator's memory history (torch.cuda.memory._record_memory_history and _dump_snapshot, their
+    arguments bound to torch's own signatures; a snapshot is 600 bytes); and torch.profiler.profile,
+    whose CUDA activity needs a CUDA build (a trace is 1500 bytes). Every call in `calls`, in order."""
+
+    CPU, CUDA = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+
+    def __init__(self, monkeypatch, tmp_path):
+        self.available, self.calls = True, []
+        self.profile_signature = inspect.signature(torch.profiler.profile.__init__)
+        monkeypatch.chdir(tmp_path)  # where a stray relative path would land
+        memory = torch.cuda.memory
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: self.available)
+        history = self.recorder(memory._record_memory_history)
+        monkeypatch.setattr(memory, "_record_memory_history", history)
+        monkeypatch.setattr(memory, "_dump_snapshot", self.recorder(memory._dump_snapshot, 600))
+        monkeypatch.setattr(torch.profiler, "profile", self.profile)
+
+    def recorder(self, real, size=None):
+        signature = inspect.signature(real)
+
+        def call(*args, **kwargs):
+            asked = signature.bind(*args, **kwargs).arguments  # what the caller passed
+            self.calls.append((real.__name__, asked))
+            if size:
+                Path(asked["filename"]).write_bytes(b"x" * size)
+
+        return call
+
+    def profile(self, **kwargs):
+        gpu = self
+
+        class Profile:
+            def __enter__(self):
+                gpu.calls.append(("profiler start", {}))
+
+            def __exit__(self, *exc):
+                gpu.calls.append(("profiler stop", {}))
+
+            def export_chrome_trace(self, path):
+                gpu.calls.append(("trace", {"path": path}))
+                Path(path).write_bytes(b"x" * 1500)
+
+        asked = self.profile_signature.bind(None, **kwargs)
+        asked.apply_defaults()  # torch's: no shapes, and its activities
+        asked = asked.arguments
+        # none named: torch records what profiler.supported_activities() has, on a GPU CPU and CUDA
+        recorded = set(asked.get("activities") or (self.CPU, self.CUDA))
+        self.calls.append(("profile", {"activities": recorded, "shapes": asked["record_shapes"]}))
+        return Profile()
+
+
+def cuda_steps(window: ProfilerWindow, gpu: FakeGpu, first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        window.step_done(step)
+        gpu.calls.append(("step done", {"step": step}))
+
+
+def test_a_window_on_a_gpu_records_the_memory_history_of_its_steps_and_writes_it_beside_the_trace(
+    tmp_path, monkeypatch, capsys
+):
+    """--profile_steps 3:5 on a GPU, by torch's API: the allocator's history starts as the window opens
+    (after step 2; the newest 200,000 events, the default context and stacks: "all"), the profiler
+    records the CPU and the GPU with the operators' shapes, and after step 5 the history is dumped to
+    profile/rank0.steps_3-5.memory.pickle and stopped (enabled=None), after the dump; the line counts
+    both files: 1500 + 600 bytes, 2.1 kB."""
+    gpu = FakeGpu(monkeypatch, tmp_path)
+    rank0 = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True)
+    cfg = RunConfig(output_dir=str(tmp_path), profile_steps="3:5", max_steps=8)
+    window = ProfilerWindow(cfg, rank0, resumed_step=0)
+    cuda_steps(window, gpu, 1, 6)
+    folder = tmp_path / "profile"
+    assert gpu.calls == [
+        ("step done", {"step": 1}),
+        ("_record_memory_history", {"max_entries": 200_000}),
+        ("profile", {"activities": {FakeGpu.CPU, FakeGpu.CUDA}, "shapes": True}),
+        ("profiler start", {}),
+        ("step done", {"step": 2}),
+        ("step done", {"step": 3}),
+        ("step done", {"step": 4}),
+        ("profiler stop", {}),
+        ("trace", {"path": str(folder / "rank0.steps_3-5.pt.trace.json")}),
+        ("_dump_snapshot", {"filename": str(folder / "rank0.steps_3-5.memory.pickle")}),
+        ("_record_memory_history", {"enabled": None}),
+        ("step done", {"step": 5}),
+        ("step done", {"step": 6}),
+    ]
+    assert capsys.readouterr().out == (
+        f"profile: steps 3-5 traced in {folder} (2 files, 2.1 kB: rank0.steps_3-5.pt.trace.json, "
+        "rank0.steps_3-5.memory.pickle; the profiler's own messages: rank0.profiler.log)\n"
+    )
+
+
+def test_with_oom_snapshot_the_history_runs_from_the_start_and_the_window_leaves_it_on(
+    tmp_path, monkeypatch, capsys
+):
+    """--oom_snapshot on a GPU: the history starts with the run (before any step), for an
+    out-of-memory error's snapshot later; the window 2:2 starts it again as it opens (the same
+    arguments) and, once it has dumped rank 1's own snapshot, leaves it on. Rank 1 says nothing."""
+    gpu = FakeGpu(monkeypatch, tmp_path)
+    rank1 = SimpleNamespace(
+        process_index=1, num_processes=2, is_main_process=False, device=torch.device("cpu")
+    )
+    rank1.reduce = lambda tensor, how: tensor * 2  # the other rank's the same
+    cfg = RunConfig(output_dir=str(tmp_path), profile_steps="2:2", max_steps=8, oom_snapshot=True)
+    window = ProfilerWindow(cfg, rank1, resumed_step=0)
+    assert gpu.calls == [("_record_memory_history", {"max_entries": 200_000})]
+    gpu.calls.clear()
+    cuda_steps(window, gpu, 1, 3)
+    snapshot = tmp_path / "profile" / "rank1.steps_2-2.memory.pickle"
+    assert [call for call in gpu.calls if call[0] != "step done"] == [
+        ("_record_memory_history", {"max_entries": 200_000}),
+        ("profile", {"activities": {FakeGpu.CPU, FakeGpu.CUDA}, "shapes": True}),
+        ("profiler start", {}),
+        ("profiler stop", {}),
+        ("trace", {"path": str(tmp_path / "profile" / "rank1.steps_2-2.pt.trace.json")}),
+        ("_dump_snapshot", {"filename": str(snapshot)}),
+    ]
+    assert snapshot.stat().st_size == 600
+    assert capsys.readouterr().out == ""
+
+
+def test_no_window_and_no_oom_snapshot_on_a_gpu_leaves_the_allocator_alone(tmp_path, monkeypatch):
+    """Neither switch on a GPU: no memory history (it costs a little on every allocation), no profiler,
+    no profile folder."""
+    gpu = FakeGpu(monkeypatch, tmp_path)
+    rank0 = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True)
+    window = ProfilerWindow(RunConfig(output_dir=str(tmp_path)), rank0, resumed_step=0)
+    cuda_steps(window, gpu, 1, 3)
+    window.close()
+    assert [name for name, _ in gpu.calls] == ["step done"] * 3
+    assert not (tmp_path / "profile").exists()
+
+
+def test_the_count_of_every_rank_s_files_is_reduced_on_the_process_s_own_device(tmp_path, capsys):
+    """A collective on GPUs (NCCL) takes tensors on the process's GPU: the [files, bytes] the window's
+    line sums go to the reduce on plumbing.device (here the meta device stands for cuda:1)."""
+
+    class Rank1:
+        device = torch.device("meta")
+        process_index, num_processes, is_main_process = 1, 2, False
+
+        def __init__(self):
+            self.devices = []
+
+        def reduce(self, tensor, how):
+            self.devices.append(tensor.device)
+            return torch.tensor([2, 3000])
+
+    rank1 = Rank1()
+    cfg = RunConfig(output_dir=str(tmp_path), profile_steps="3:5", max_steps=8)
+    window = ProfilerWindow(cfg, rank1, resumed_step=0)
+    window.folder.mkdir()
+    trace = window.folder / "rank1.steps_3-5.pt.trace.json"
+    trace.write_bytes(b"x" * 1500)
+    window.say_written([trace], every_rank=True)
+    assert rank1.devices == [torch.device("meta")]
+    assert capsys.readouterr().out == ""
+
+
+def test_an_out_of_memory_error_writes_the_rank_s_memory_history_and_its_line_names_it(
+    tmp_path, monkeypatch
+):
+    """--oom_snapshot on a GPU: the error's one line names <run>/profile/rank{RANK}.oom.memory.pickle,
+    written first (the folders made, whatever of them is missing); RANK unset: rank 0's; a second error
+    in the same folder writes again. No run folder, or no CUDA: no snapshot, nothing written."""
+    gpu = FakeGpu(monkeypatch, tmp_path)
+    monkeypatch.setenv("RANK", "3")
+    run = tmp_path / "runs" / "x"  # not made yet
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail")
+    line = str(out_of_memory(error, RunConfig(output_dir=str(run), oom_snapshot=True)))
+    snapshot = run / "profile" / "rank3.oom.memory.pickle"
+    assert line == (
+        "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB.): lower batch_size "
+        "(raising grad_accum_steps keeps the global batch), or turn on activation_checkpointing; "
+        f"what held the memory: {snapshot} (pytorch.org/memory_viz)"
+    )
+    assert gpu.calls == [("_dump_snapshot", {"filename": str(snapshot)})]
+    assert snapshot.stat().st_size == 600
+    monkeypatch.delenv("RANK")
+    gpu.calls.clear()
+    rank0 = run / "profile" / "rank0.oom.memory.pickle"
+    assert write_oom_snapshot(str(run)) == str(rank0)
+    assert gpu.calls == [("_dump_snapshot", {"filename": str(rank0)})]
+    gpu.calls.clear()
+    assert write_oom_snapshot("") is None
+    gpu.available = False
+    assert write_oom_snapshot(str(tmp_path / "cpu")) is None
+    assert gpu.calls == [] and sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_a_window_closed_before_its_first_step_is_done_is_named_for_no_whole_step(tmp_path, capsys):
+    """The window 3:5 opened after step 2, the process ends (its exit handler: close) before step 3 is
+    done: steps 3 to 2, none whole; the trace holds step 3's span as far as it went."""
+    rank0 = SimpleNamespace(process_index=0, num_processes=1, is_main_process=True)
+    cfg = RunConfig(output_dir=str(tmp_path), profile_steps="3:5", max_steps=8)
+    window = ProfilerWindow(cfg, rank0, resumed_step=0)
+    steps(window, 1, 2)
+    torch.ones(8, 8, requires_grad=True).sum().backward()  # step 3's work, cut short
+    window.close()
+    folder = tmp_path / "profile"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "rank0.profiler.log",
+        "rank0.steps_3-2.pt.trace.json",
+    ]
+    assert spans_of(folder / "rank0.steps_3-2.pt.trace.json") == ["train step 3"]
+    assert capsys.readouterr().out.startswith(f"profile: steps 3-2 traced in {folder} (1 file, ")
