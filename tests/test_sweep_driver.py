@@ -46,11 +46,41 @@ def launches(run_dir) -> list[list[str]]:
 
 @pytest.fixture
 def own_signals():
-    """The driver runs in this process and installs its SIGTERM/SIGINT handlers: put pytest's back."""
+    """The driver runs in this process and installs its SIGTERM/SIGINT handlers: put pytest's back.
+    Yields signal_when(ready, send): a thread that calls send() (a signal to the driver) once ready()
+    holds, stopped and joined before the handlers are put back, so that no signal outlives its test.
+    One sent after a failed test reached the handler this process inherited: mutmut's fork server
+    exits 0 on SIGTERM (a failed test read as a surviving mutant) and SIGKILLs its other children."""
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    yield
+    over = threading.Event()
+    threads = []
+
+    def signal_when(ready, send) -> None:
+        def watch():
+            while not ready():
+                if over.wait(0.01):
+                    return
+            send()
+
+        threads.append(threading.Thread(target=watch, daemon=True))
+        threads[-1].start()
+
+    yield signal_when
+    over.set()
+    for thread in threads:
+        thread.join()
     for signum, handler in saved.items():
         signal.signal(signum, handler)
+
+
+def rows_logged(run_dir, rows: int):
+    """Whether the trial in run_dir has logged `rows` metrics rows (for signal_when)."""
+    metrics = run_dir / "metrics.jsonl"
+    return lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= rows
+
+
+def sigterm_to_the_driver() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler does
 
 
 def test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm(
@@ -116,16 +146,7 @@ def test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes(
     space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
     argv = driver_argv(sweep_dir, space, trials=2)
     first = sweep_dir / "trial_000"
-
-    def preempt_the_driver():  # as a scheduler does, once the first trial has trained a few steps
-        while (
-            not (first / "metrics.jsonl").exists()
-            or len((first / "metrics.jsonl").read_text().splitlines()) < 3
-        ):
-            threading.Event().wait(0.01)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=preempt_the_driver, daemon=True).start()
+    own_signals(rows_logged(first, 3), sigterm_to_the_driver)  # once it has trained a few steps
     assert sweep_script().main(argv) == 75
     said = capsys.readouterr().out
     assert "stopped on SIGTERM: the running trial checkpointed; go on with: python " in said
@@ -134,14 +155,23 @@ def test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes(
     assert go_on[2:] == argv
     assert [t.state.name for t in trials_of(sweep_dir)] == ["RUNNING"]
     assert (first / "preempted.json").exists()  # the trial got it, and checkpointed
-    # started again: the interrupted trial resumes (--resume latest), then the sweep goes on
+    # started again, and stopped again once the resumed launch has logged 3 rows of its own: the
+    # same stop (exit 75, the trial left running), not a finished sweep's summary and exit 0
+    logged = len((first / "metrics.jsonl").read_text().splitlines())
+    own_signals(rows_logged(first, logged + 3), sigterm_to_the_driver)
+    assert sweep_script().main(go_on[2:]) == 75
+    said = capsys.readouterr().out
+    assert "trial 0: resuming from its last checkpoint" in said
+    assert "stopped on SIGTERM: the running trial checkpointed; go on with: python " in said
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["RUNNING"]
+    assert (first / "preempted.json").exists()
+    # started a third time: the interrupted trial resumes (--resume latest), then the sweep goes on
     assert sweep_script().main(go_on[2:]) == 0
     assert "trial 0: resuming from its last checkpoint" in capsys.readouterr().out
     assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE", "COMPLETE"]
     again = launches(first)
-    assert (
-        len(again) == 2 and "--resume" not in again[0] and again[1][-2:] == ["--resume", "latest"]
-    )
+    assert len(again) == 3 and "--resume" not in again[0]
+    assert again[1][-2:] == again[2][-2:] == ["--resume", "latest"]
     assert len(launches(sweep_dir / "trial_001")) == 1
 
 
@@ -213,27 +243,21 @@ def test_a_trial_preempted_under_a_launcher_that_exits_1_is_resumed_not_failed(
     tmp_path, capsys, own_signals, monkeypatch
 ):
     """accelerate launch and torchrun exit 1 for a run stopped on a signal; the run's preempted.json
-    tells it apart from a failure: the trial is launched again with --resume latest, and completes."""
+    tells it apart from a failure: the trial is launched again with --resume latest, and completes.
+    Its start is said with each of its two values."""
     monkeypatch.setenv("FAKE_PREEMPT_ONCE", str(tmp_path / "preempted_once"))
-    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    parameters = {"lr": {"low": 1e-3, "high": 1e-2}, "warmup_steps": {"low": 0, "high": 9}}
+    space = write_space(tmp_path / "space.yaml", parameters=parameters)
     sweep_dir = tmp_path / "requeued"
     assert sweep_script().main(driver_argv(sweep_dir, space, trials=1)) == 0
-    assert "trial 0: preempted, resuming it (1/3)" in capsys.readouterr().out
-    assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE"]
+    out = capsys.readouterr().out
+    (trial,) = trials_of(sweep_dir)
+    lr, warmup = trial.params["lr"], trial.params["warmup_steps"]
+    assert f"sweep: trial 0: lr {lr!r}, warmup_steps {warmup}\n" in out
+    assert "trial 0: preempted, resuming it (1/3)" in out
+    assert trial.state.name == "COMPLETE"
     first, again = launches(sweep_dir / "trial_000")
     assert "--resume" not in first and again[-2:] == ["--resume", "latest"]
-
-
-def stop_the_driver_once_trained(run_dir, rows: int = 3) -> None:
-    """SIGTERM to this process (the driver), as a scheduler does, once the trial logged `rows` rows."""
-
-    def preempt():
-        metrics = run_dir / "metrics.jsonl"
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < rows:
-            threading.Event().wait(0.01)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=preempt, daemon=True).start()
 
 
 def test_a_restarted_driver_resumes_its_trial_only_once_the_old_workers_let_go_of_it(
@@ -246,7 +270,7 @@ def test_a_restarted_driver_resumes_its_trial_only_once_the_old_workers_let_go_o
     sweep_dir = tmp_path / "held"
     argv = driver_argv(sweep_dir, space, trials=1)
     first = sweep_dir / "trial_000"
-    stop_the_driver_once_trained(first)
+    own_signals(rows_logged(first, 3), sigterm_to_the_driver)
     assert sweep_script().main(argv) == 75
     capsys.readouterr()
     held = open(first / ".lock", "a")  # let go by the timer
@@ -377,6 +401,31 @@ def test_a_later_trial_without_the_objective_is_failed_and_the_sweep_goes_on(
     first, second = trials_of(sweep_dir)
     assert (first.state.name, second.state.name) == ("COMPLETE", "FAIL")
     assert second.user_attrs["error"] == error
+
+
+def test_an_eval_step_logged_again_is_reported_once_with_its_first_value(
+    tmp_path, capsys, own_signals
+):
+    """A run that logs an eval row at a step already reported (as a resumed run does with the rows up
+    to its checkpoint): the step keeps its first value, and a new step after it in the same read is
+    still reported. Evals 3.0 and 7.0 at step 4, 2.0 and 9.0 at step 8, then exit 0: the trial's
+    evals 3.0 and 2.0, its value 2.0."""
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "again"
+    evals = ((4, 3.0), (4, 7.0), (8, 2.0), (8, 9.0))
+    rows = [{"step": step, "eval_loss": value} for step, value in evals]
+    argv = [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "1", "--poll_s", "0.02"),
+        *("--", *rows_then_exit_0(rows)),
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sweep_script().main(argv) == 0
+    assert not [w for w in caught if "already reported" in str(w.message)]  # reported once
+    (trial,) = trials_of(sweep_dir)
+    assert trial.state.name == "COMPLETE" and trial.value == 2.0
+    assert trial.intermediate_values == {4: 3.0, 8: 2.0}
+    assert "sweep: trial 0: eval_loss 2\n" in capsys.readouterr().out
 
 
 def test_the_summary_table_and_csv_by_hand(tmp_path, capsys, own_signals):
@@ -523,14 +572,11 @@ def test_ctrl_c_stops_the_driver_with_exit_130_and_sends_the_trial_nothing(
     first = sweep_dir / "trial_000"
 
     def ctrl_c():
-        metrics = first / "metrics.jsonl"
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
-            threading.Event().wait(0.01)
         os.kill(os.getpid(), signal.SIGINT)
         threading.Event().wait(0.1)
         os.kill(int(pid_file.read_text()), signal.SIGINT)
 
-    threading.Thread(target=ctrl_c, daemon=True).start()
+    own_signals(rows_logged(first, 3), ctrl_c)
     argv = [
         *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "2", "--poll_s", "0.02"),
         *("--", *PID_THEN_FAKE),
