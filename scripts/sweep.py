@@ -302,7 +302,8 @@ class Sweep:
         while len(self.study.get_trials(deepcopy=False)) < trials and self.stop_signal is None:
             trial = self.study.ask(distributions(self.space))
             trial.set_user_attr("driver", self.driver)
-            trial.set_user_attr("run_dir", str(self.dir / f"trial_{trial.number:03d}"))
+            # resolved: the summary's table names it wherever the driver is started from
+            trial.set_user_attr("run_dir", str((self.dir / f"trial_{trial.number:03d}").resolve()))
             if self.run_trial(trial, trial.params, resume=False) == "stopped":
                 return self.stopped()
         self.summarize()
@@ -311,9 +312,9 @@ class Sweep:
     def run_trial(self, trial, params: dict, resume: bool) -> str:
         """One trial to its end: complete, pruned, failed, or "stopped" (the driver was asked to stop;
         the trial is left running in the study, for the next driver to resume)."""
-        run_dir = Path(
-            trial.user_attrs["run_dir"] if resume else self.dir / f"trial_{trial.number:03d}"
-        )
+        # found from --sweep_dir as given now, not as recorded: a driver started again from another
+        # folder (`cd ..`, then runs/sweep_lr for sweep_lr) resumes the same trial folder
+        run_dir = self.dir / f"trial_{trial.number:03d}"
         flags = [item for key, value in params.items() for item in (f"--{key}", as_flag(value))]
         command = [
             *self.command,

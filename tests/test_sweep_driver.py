@@ -2,6 +2,7 @@
 milliseconds, SIGTERM -> preempted.json and exit 75): pruning, a failed trial, the driver's own stop and
 restart, the summary. Real runs of the template, killed and resumed bitwise: tests/e2e/test_sweep.py."""
 
+import contextlib
 import fcntl
 import json
 import os
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import optuna
 import pytest
@@ -83,6 +85,21 @@ def sigterm_to_the_driver() -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler does
 
 
+@contextlib.contextmanager
+def console_input_is_a_pipe():
+    """This process's file descriptor 0 a pipe, as the trials would inherit it (pytest may run with
+    /dev/null there already)."""
+    read_end, write_end = os.pipe()
+    saved = os.dup(0)
+    os.dup2(read_end, 0)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read_end, write_end):
+            os.close(fd)
+
+
 def test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm(
     tmp_path, capsys, own_signals, monkeypatch
 ):
@@ -95,8 +112,13 @@ def test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm(
     )
     monkeypatch.setenv("FAKE_FAIL_ONCE", str(tmp_path / "failed"))
     argv = driver_argv(sweep_dir, space, trials=3)
-    assert sweep_script().main(argv) == 0
+    with console_input_is_a_pipe():
+        assert sweep_script().main(argv) == 0
     out = capsys.readouterr().out
+    # the driver's input is a pipe (a terminal, in a shell), yet no trial reads it: a trial's
+    # breakpoint() or a prompt of a library would take the keys typed to the driver
+    for n in range(3):
+        assert (sweep_dir / f"trial_{n:03d}" / "stdin.txt").read_text() == os.devnull
     failed, *pruned = trials_of(sweep_dir)
     # the first trial failed after training began: recorded with its line, never run again
     assert failed.state.name == "FAIL" and failed.user_attrs["error"].startswith(
@@ -140,9 +162,11 @@ def test_a_failed_trial_is_recorded_once_and_pruned_ones_get_sigterm(
 
 
 def test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes(
-    tmp_path, capsys, own_signals
+    tmp_path, capsys, own_signals, monkeypatch
 ):
-    sweep_dir = tmp_path / "stopped"
+    # --sweep_dir given relative to the folder the driver starts in (the third start's differs)
+    monkeypatch.chdir(tmp_path)
+    sweep_dir = Path("stopped")
     space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
     argv = driver_argv(sweep_dir, space, trials=2)
     first = sweep_dir / "trial_000"
@@ -165,9 +189,14 @@ def test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes(
     assert "stopped on SIGTERM: the running trial checkpointed; go on with: python " in said
     assert [t.state.name for t in trials_of(sweep_dir)] == ["RUNNING"]
     assert (first / "preempted.json").exists()
-    # started a third time: the interrupted trial resumes (--resume latest), then the sweep goes on
-    assert sweep_script().main(go_on[2:]) == 0
-    assert "trial 0: resuming from its last checkpoint" in capsys.readouterr().out
+    # started a third time, from another folder (the same sweep as ../stopped): the interrupted
+    # trial resumes in its own folder (--resume latest), then the sweep goes on
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert sweep_script().main(driver_argv(Path("..") / "stopped", space, trials=2)) == 0
+    resumed_in = (tmp_path / "stopped" / "trial_000").resolve()
+    assert f"trial 0: resuming from its last checkpoint ({resumed_in})" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)
     assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE", "COMPLETE"]
     again = launches(first)
     assert len(again) == 3 and "--resume" not in again[0]

@@ -5,10 +5,10 @@ in milliseconds instead of seconds. The real runs are in tests/e2e/test_sweep.py
 
 Writes DIR/metrics.jsonl as train/main.py does: a training row per step, an eval row (eval_loss = lr x 100 +
 1 / step, so a bigger lr is worse) every 4 steps, 12 steps of 0.05 s; on SIGTERM, DIR/preempted.json and exit
-75 (a preempted run); DIR/argv.jsonl gets each launch's flags. FAKE_FAIL_ONCE=path: the first trial to
-create `path` fails after step 2, with an `error:` line and exit 1. FAKE_PREEMPT_ONCE=path: the first trial to
-create `path` is stopped after step 2 as under accelerate launch or torchrun: preempted.json, and exit 1 (the
-launcher's code). A start removes the preempted.json an earlier one left, as train/main.py does.
+75 (a preempted run); DIR/argv.jsonl gets each launch's flags, DIR/stdin.txt what its input is.
+FAKE_FAIL_ONCE=path: the first trial to create `path` fails after step 2, with an `error:` line and exit 1.
+FAKE_PREEMPT_ONCE=path: the first trial to create `path` is stopped after step 2 as under accelerate launch
+or torchrun: preempted.json, and exit 1 (the launcher's code). A start removes the preempted.json an earlier one left, as train/main.py does.
 """
 
 import json
@@ -30,6 +30,8 @@ def main() -> None:
     (run / "preempted.json").unlink(missing_ok=True)
     with open(run / "argv.jsonl", "a") as f:
         f.write(json.dumps(argv) + "\n")
+    # what this process's input is (the sweep's test reads it: /dev/null, not the driver's console)
+    (run / "stdin.txt").write_text(os.readlink("/proc/self/fd/0"))
 
     def preempted(*_):
         (run / "preempted.json").write_text(json.dumps({"step": step, "signal": "SIGTERM"}))
