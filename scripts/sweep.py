@@ -293,7 +293,7 @@ class Sweep:
             if t.user_attrs.get("driver") == self.driver
         ]
         for frozen in interrupted:
-            where = frozen.user_attrs["run_dir"]
+            where = self.dir / f"trial_{frozen.number:03d}"
             say(f"trial {frozen.number}: resuming from its last checkpoint ({where})")
             # the running trial of the driver that died, reported to again (Optuna keeps it by id)
             trial = optuna.trial.Trial(self.study, frozen._trial_id)
@@ -302,8 +302,7 @@ class Sweep:
         while len(self.study.get_trials(deepcopy=False)) < trials and self.stop_signal is None:
             trial = self.study.ask(distributions(self.space))
             trial.set_user_attr("driver", self.driver)
-            # resolved: the summary's table names it wherever the driver is started from
-            trial.set_user_attr("run_dir", str((self.dir / f"trial_{trial.number:03d}").resolve()))
+            trial.set_user_attr("run_dir", str(self.dir / f"trial_{trial.number:03d}"))
             if self.run_trial(trial, trial.params, resume=False) == "stopped":
                 return self.stopped()
         self.summarize()

@@ -8,7 +8,8 @@ Writes DIR/metrics.jsonl as train/main.py does: a training row per step, an eval
 75 (a preempted run); DIR/argv.jsonl gets each launch's flags, DIR/stdin.txt what its input is.
 FAKE_FAIL_ONCE=path: the first trial to create `path` fails after step 2, with an `error:` line and exit 1.
 FAKE_PREEMPT_ONCE=path: the first trial to create `path` is stopped after step 2 as under accelerate launch
-or torchrun: preempted.json, and exit 1 (the launcher's code). A start removes the preempted.json an earlier one left, as train/main.py does.
+or torchrun: preempted.json, and exit 1 (the launcher's code). A start removes the preempted.json an earlier
+one left, as train/main.py does.
 """
 
 import json
