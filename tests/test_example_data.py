@@ -623,3 +623,116 @@ def test_a_block_s_padding_id_is_the_tokenizer_s_then_eos_then_0(chat_tokenizer)
 
     blocks = chat.pack_conversations({"messages": [messages]}, NoPadNoEos(), 64)
     assert blocks["input_ids"] == [ids + [0] * missing]
+
+
+def test_each_part_s_packing_is_said_on_its_bar_and_its_cut_conversations_in_one_whole_line(
+    tmp_path, chat_tokenizer, capfd
+):
+    """Two train conversations and one eval conversation longer than block_size (64), their lengths
+    transformers' apply_chat_template's: one warning line a part, whole, naming the part and
+    block_size; datasets' progress bar of each part's packing says what it packs (default: "Map")."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    long, short = exchange("say " + "river " * 80, "ok"), exchange("upper: a", "A")
+    lengths = [
+        len(
+            tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+        for row in (long, short)
+    ]
+    assert lengths[0] > 64 > lengths[1]
+    folder = tmp_path / "chats"
+    write_jsonl(folder / "train.jsonl", [long, short, long, short, short])
+    write_jsonl(folder / "validation.jsonl", [short, long])
+    chat = example_data("chat_sft")
+    chat.build_datasets(Cfg(dataset=str(folder), tokenizer_name=str(chat_tokenizer)))
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("warning:")] == [
+        f"warning: {count} {part} conversation(s) longer than block_size 64 tokens were cut to it "
+        "(their end is not trained on): raise block_size to keep them whole"
+        for count, part in ((2, "train"), (1, "eval"))
+    ]
+    bars = err.replace("\r", "\n").splitlines()
+    for part, rows_done in (("train", "5/5"), ("eval", "2/2")):
+        said = f"packing {part} conversations: 100%"
+        assert any(bar.startswith(said) and rows_done in bar for bar in bars), bars
+
+
+def test_a_prompt_and_response_row_is_the_user_s_turn_then_the_assistant_s_as_the_template_has_them(
+    tmp_path, chat_tokenizer
+):
+    """packing false, a row a conversation: each pair's tokens and labels are transformers'
+    apply_chat_template's of [user: prompt, assistant: response] (its assistant mask the labels)."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "pairs"
+    train_pairs = [{"prompt": "upper: w1", "response": "W1"}, {"prompt": "say 7", "response": "7"}]
+    eval_pairs = [{"prompt": "reverse: ab", "response": "ba"}]
+    write_jsonl(folder / "train.jsonl", train_pairs)
+    write_jsonl(folder / "validation.jsonl", eval_pairs)
+    chat = example_data("chat_sft")
+    train, held_out = chat.build_datasets(
+        Cfg(dataset=str(folder), tokenizer_name=str(chat_tokenizer), packing=False)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+
+    def rendered(pairs):
+        rows = []
+        for pair in pairs:
+            messages = [
+                {"role": "user", "content": pair["prompt"]},
+                {"role": "assistant", "content": pair["response"]},
+            ]
+            marked = tokenizer.apply_chat_template(
+                messages, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids, mask = marked["input_ids"], marked["assistant_masks"]
+            rows.append((ids, [t if m else -100 for t, m in zip(ids, mask, strict=True)]))
+        return sorted(rows)
+
+    for part, pairs in ((train, train_pairs), (held_out, eval_pairs)):
+        got = sorted((row["input_ids"].tolist(), row["labels"].tolist()) for row in part)
+        assert got == rendered(pairs)
+
+
+def test_packing_on_its_own_checks_each_conversation_and_takes_prompts_and_responses_in_pairs(
+    chat_tokenizer,
+):
+    """build_datasets checks every conversation before (load_conversations), and a dataset's batch
+    holds its columns equally long; pack_conversations called alone checks them itself: a
+    conversation without an assistant turn is one line, and prompts without as many responses are
+    refused, not cut to the shorter column."""
+    from transformers import AutoTokenizer
+
+    chat = example_data("chat_sft")
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    with pytest.raises(ConfigError) as error:
+        chat.pack_conversations({"messages": [[{"role": "user", "content": "hi"}]]}, tokenizer, 64)
+    assert str(error.value) == (
+        "dataset: a conversation has no assistant turn, nothing to learn from (roles: user)"
+    )
+    with pytest.raises(ValueError, match=r"zip\(\) argument 2 is shorter than argument 1"):
+        chat.pack_conversations({"prompt": ["a", "b"], "response": ["A"]}, tokenizer, 64)
+
+
+def test_a_conversation_of_no_tokens_after_a_cut_one_leaves_its_block_s_cut_count(chat_tokenizer):
+    """A template that writes the contents alone (no markup): a conversation of two empty turns is
+    no tokens, and joins the full block of the cut conversation before it; that block still counts
+    the cut one (the warning's count is the blocks' sum). By hand: block_size 8, two conversations
+    cut to the answer's first 8 tokens, one block each."""
+    from transformers import AutoTokenizer
+
+    chat = example_data("chat_sft")
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    answer = "river " * 20
+    ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 8
+    long = [{"role": "user", "content": ""}, {"role": "assistant", "content": answer}]
+    empty = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
+    blocks = chat.pack_conversations({"messages": [long, empty, long]}, tokenizer, 8)
+    assert blocks["input_ids"] == [ids[:8], ids[:8]] and blocks["labels"] == [ids[:8], ids[:8]]
+    assert blocks["cut"] == [1, 1]
