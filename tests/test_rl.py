@@ -1290,10 +1290,11 @@ def test_the_check_of_each_split_s_prompts_is_said_on_its_progress_bar(
         ({"epsilon_high": math.nan}, "epsilon_high must be a finite number >= 0 (got nan)"),
         ({"beta": math.inf}, "beta must be a finite number >= 0 (got inf)"),
         ({"updates_per_rollout": 0}, "updates_per_rollout must be >= 1 (got 0)"),
-        (
+        pytest.param(
             {"reward_weights": "exact_answer:1, correctness:2"},
             "reward_weights: no reward function 'correctness' in train/model.py (found: "
             "exact_answer, same_words, word_order; a reward function takes (completion, answer))",
+            id="unknown-reward",
         ),
         (
             {"reward_weights": "exact_answer:inf"},
@@ -1359,7 +1360,15 @@ def test_the_rewards_by_hand():
     assert model.word_order("", "") == 0.0  # no words wanted: 0 of at least 1
     assert model.same_words("b a", "a b") == 1.0
     assert model.same_words("a a b", "a b") == 0.0
-    assert sorted(model.reward_functions()) == ["exact_answer", "same_words", "word_order"]
+
+
+def test_the_reward_functions_are_the_file_s_functions_of_completion_and_answer():
+    """Its other functions (reward_weights(cfg), check_config(cfg), ...) are not rewards."""
+    assert sorted(example("model").reward_functions()) == [
+        "exact_answer",
+        "same_words",
+        "word_order",
+    ]
 
 
 def test_the_step_s_values_from_its_totals_by_hand():
