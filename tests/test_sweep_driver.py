@@ -89,14 +89,21 @@ def sigterm_to_the_driver() -> None:
 def console_input_is_a_pipe():
     """This process's file descriptor 0 a pipe, as the trials would inherit it (pytest may run with
     /dev/null there already)."""
-    read_end, write_end = os.pipe()
-    saved = os.dup(0)
+    try:
+        saved = os.dup(0)
+    except OSError:  # none open (mutmut's stats run has none): closed again after
+        saved = None
+    read_end, write_end = os.pipe()  # read_end may be 0 itself, where none was open
     os.dup2(read_end, 0)
     try:
         yield
     finally:
-        os.dup2(saved, 0)
-        for fd in (saved, read_end, write_end):
+        if saved is None:
+            os.close(0)
+        else:
+            os.dup2(saved, 0)
+            os.close(saved)
+        for fd in {read_end, write_end} - {0}:
             os.close(fd)
 
 
