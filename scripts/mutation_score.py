@@ -314,9 +314,21 @@ def run_module(module: str, tests: list[str], functions: list[str] | None = None
             if status != "not checked":  # outside the scope
                 statuses[match.group(1)] = status
     if not statuses:
+        # mutmut hides the output of its first, unmutated run ("failed to collect stats"): the
+        # tests run again as it ran them, to name the one that failed
+        deselected = [arg for test in DESELECT.get(module, []) for arg in ("--deselect", test)]
+        again = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-m", "not slow"]
+            + ["-p", "no:cacheprovider", "--rootdir=.", *tests, *deselected],
+            cwd=folder / "mutants",
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         shutil.rmtree(folder, ignore_errors=True)
         raise SystemExit(
-            f"{module}: mutmut gave no results:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+            f"{module}: mutmut gave no results:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}\n"
+            f"the tests run again (exit {again.returncode}):\n{again.stdout[-4000:]}"
         )
     unkilled = [name for name, status in statuses.items() if status in ("survived", "no tests")]
     # every diff from one process (`mutmut show` per mutant re-reads the whole state each time)
