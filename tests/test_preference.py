@@ -499,6 +499,56 @@ def test_a_local_folder_s_validation_file_is_the_eval_set_and_long_completions_a
     ) in err
 
 
+def test_a_completion_of_block_size_tokens_is_whole_and_each_cut_completion_counts(
+    tmp_path, chat_llama, capfd
+):
+    """block_size the tokens of a pair's prompt and chosen answer together, by transformers'
+    apply_chat_template: that answer is kept whole and not counted as cut; a pair with both answers
+    longer counts 2, one with its chosen alone longer 1 (one warning line for the part: 3). Each
+    part's tokenizing says so on its progress bar (datasets' default: "Map"), and the tokenized
+    pairs' cache file (datasets' own, on disk) holds their tokens, not their text again."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_llama)
+
+    def tokens(messages, **kwargs):
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)[
+            "input_ids"
+        ]
+
+    edge = {"prompt": "upper: maple tiger", "chosen": "MAPLE TIGER", "rejected": "maple"}
+    prompt = tokens([user(edge["prompt"])], add_generation_prompt=True)
+    whole = tokens([user(edge["prompt"]), assistant(edge["chosen"])])
+    block_size = len(whole)
+    assert len(tokens([user(edge["prompt"]), assistant(edge["rejected"])])) < block_size
+    long = "river stone " * 10
+    assert len(tokens([user("say"), assistant(long)])) > block_size
+    both_long = {"prompt": "say", "chosen": long, "rejected": long + "again"}
+    chosen_long = {"prompt": "say", "chosen": long, "rejected": "no"}
+    folder = tmp_path / "pairs"
+    write_jsonl(folder / "train.jsonl", [edge, both_long, chosen_long])
+    write_jsonl(folder / "validation.jsonl", [edge])
+    cfg = Cfg(hf_model=str(chat_llama), dataset=str(folder), block_size=block_size)
+    train, held_out = example("data").build_datasets(cfg)
+    for row in (train[0], held_out[0]):
+        assert row["chosen_input_ids"].tolist() == whole
+        assert row["chosen_labels"].tolist() == [-100] * len(prompt) + whole[len(prompt) :]
+    err = capfd.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("warning:")] == [
+        f"warning: 3 train completion(s) were cut to fit block_size {block_size} tokens with their "
+        "prompt (their end is not scored): raise block_size to keep them whole"
+    ]
+    bars = err.replace("\r", "\n").splitlines()
+    for part, rows_done in (("train", "3/3"), ("eval", "1/1")):
+        said = f"tokenizing {part} pairs: 100%"
+        assert any(bar.startswith(said) and rows_done in bar for bar in bars), bars
+    for part in (train, held_out):
+        (cache,) = part.cache_files
+        written = datasets.Dataset.from_file(cache["filename"]).column_names
+        assert sorted(written) == sorted(["cut", *example("data").COLUMNS])
+
+
 def test_a_sibling_split_is_the_eval_set(chat_llama):
     """ultrafeedback_binarized's train_prefs has its eval set in test_prefs (not test)."""
     from chat import eval_split_name
@@ -536,14 +586,122 @@ def bad_pairs(tmp_path, third) -> Path:
             {"prompt": "upper: b", "chosen": 7, "rejected": "b"},
             "line 3: its chosen must be a string or a list of chat messages (got int)",
         ),
+        (
+            {},
+            "line 3 has no 'prompt' or 'chosen' or 'rejected': a preference pair is a prompt, a "
+            "chosen and a rejected completion (it has: nothing)",
+        ),
+        (
+            {"prompt": 7, "chosen": "B", "rejected": "b"},
+            "line 3: its prompt must be a string or a list of chat messages (got int)",
+        ),
+        (
+            {"prompt": [], "chosen": "B", "rejected": "b"},
+            "line 3: its prompt must be a string or a list of chat messages (got an empty list)",
+        ),
+        (
+            {"prompt": "upper: b", "chosen": [], "rejected": "b"},
+            "line 3: its chosen must be a string or a list of chat messages (got an empty list)",
+        ),
+        (
+            {"prompt": "upper: b", "chosen": [user("upper: b")], "rejected": "b"},
+            "line 3: its chosen does not answer the prompt: what follows the prompt's turns must be "
+            "the assistant's (roles: user)",
+        ),
+        (
+            {"prompt": "upper: b", "chosen": [{"content": "B"}], "rejected": "b"},
+            "line 3: every message needs a 'role' and a 'content' string",
+        ),
     ],
-    ids=["chosen is rejected", "no rejected", "not an answer", "a number"],
+    ids=[
+        "chosen is rejected",
+        "no rejected",
+        "not an answer",
+        "a number",
+        "no column",
+        "a number for a prompt",
+        "no prompt turn",
+        "no chosen turn",
+        "the prompt alone",
+        "no role",
+    ],
 )
 def test_a_bad_pair_is_one_line_naming_its_line(tmp_path, chat_llama, third, said):
     path = bad_pairs(tmp_path, third)
     with pytest.raises(ConfigError) as refused:
         example("data").build_datasets(Cfg(hf_model=str(chat_llama), dataset=str(path)))
     assert str(refused.value) == f"dataset: {path} {said}"
+
+
+# a template that rewrites the conversation (its count of turns first: refused at the first pair),
+# and one that writes the contents alone, an empty one nothing
+COUNTING = "{{ messages | length }}{% for m in messages %}{{ m['content'] + '\\n' }}{% endfor %}"
+CONTENTS = (
+    "{% for m in messages %}{% if m['content'] %}{{ m['content'] + '\\n' }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, third, said",
+    [
+        (
+            COUNTING,
+            {"prompt": "upper: b", "chosen": "B", "rejected": "b"},
+            "tokenizer '{tokenizer}': its chat template does not render a conversation turn by turn "
+            "as prefixes of one another (it rewrites earlier turns), so the assistant's tokens "
+            "cannot be told from the prompt's",
+        ),
+        (
+            CONTENTS,
+            {"prompt": "upper: b", "chosen": "", "rejected": "b"},
+            "dataset: {path} line 3: its chosen completion renders to no token",
+        ),
+    ],
+    ids=["not prefixes", "no token"],
+)
+def test_a_pair_its_chat_template_cannot_split_is_one_line(
+    tmp_path, chat_tokenizer, template, third, said
+):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.chat_template = template
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    path = bad_pairs(tmp_path, third)
+    with pytest.raises(ConfigError) as refused:
+        example("data").build_datasets(Cfg(hf_model=str(folder), dataset=str(path)))
+    assert str(refused.value) == said.format(tokenizer=folder, path=path)
+
+
+def test_a_completion_s_end_of_turn_is_the_one_the_template_writes_without_a_generation_prompt(
+    chat_tokenizer,
+):
+    """A template that ends the last assistant turn only where no generation prompt is asked for,
+    by `add_generation_prompt == false` (as some do): the pair's tokens are apply_chat_template's
+    of the conversation, its scored tokens the answer and its end of turn."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.chat_template = (
+        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+        "{%- if m['role'] != 'assistant' or not loop.last or add_generation_prompt == false %}"
+        "{{ '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    data = example("data")
+    pair = {"prompt": "upper: b", "chosen": "B", "rejected": "b"}
+    encoded = data.encode_pair(data.pair_row(pair, "pair 1"), tokenizer, 128)
+    prompt = tokenizer.apply_chat_template(
+        [user("upper: b")], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    for side, answer in (("chosen", "B"), ("rejected", "b")):
+        whole = tokenizer.apply_chat_template(
+            [user("upper: b"), assistant(answer)], tokenize=True, return_dict=True
+        )["input_ids"]
+        assert encoded[f"{side}_input_ids"] == whole
+        assert encoded[f"{side}_labels"] == [-100] * len(prompt) + whole[len(prompt) :]
+        assert tokenizer.decode(whole[len(prompt) :]) == f"{answer}<|im_end|>\n"
 
 
 def test_a_table_without_a_pair_s_columns_names_the_columns_it_has(tmp_path, chat_llama):
@@ -601,6 +759,11 @@ def test_the_data_s_keys_are_refused_in_one_line(overrides, line):
     with pytest.raises(ConfigError) as refused:
         example("data").check_config(cfg)
     assert str(refused.value) == line
+
+
+def test_a_block_size_of_one_token_is_a_size():
+    """block_size must be > 0: 1 passes the start-up check (a pair then finds its prompt too long)."""
+    example("data").check_config(Cfg(hf_model="m", dataset="pairs.jsonl", block_size=1))
 
 
 @pytest.mark.parametrize(

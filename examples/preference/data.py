@@ -208,10 +208,11 @@ def pair_row(row: dict, where: str) -> dict:
 
 def as_messages(value, role: str, where: str, column: str) -> list[dict]:
     """A column's value as chat messages: a string is one message of `role`, a list is messages
-    (chat.checked_messages: each a role and a content string)."""
+    (chat.checked_messages: each a role and a content string), at least one (transformers'
+    apply_chat_template refuses an empty conversation)."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if isinstance(value, list) and (value or column == "prompt"):
+    if isinstance(value, list) and value:
         return checked_messages(value, where)
     got = "an empty list" if value == [] else type(value).__name__
     raise ConfigError(
