@@ -104,6 +104,11 @@ def test_messages_are_checked_and_their_text_parts_joined_a_line_apart():
     assert refused(chat.checked_conversation, system_and_user, "x line 4") == (
         "dataset: x line 4 has no assistant turn, nothing to learn from (roles: system, user)"
     )
+    greeting_only = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    assert refused(chat.checked_conversation, greeting_only, "x line 5") == (
+        "dataset: x line 5 has no assistant turn after its first turn, which nothing prompts: "
+        "nothing to learn from (roles: assistant, user)"
+    )
 
 
 def test_json_lines_and_arrays_are_read_value_by_value_with_where_each_one_is(tmp_path):
@@ -406,6 +411,31 @@ def test_a_tokenizer_without_a_chat_template_or_bytes_is_one_line(tmp_path, bpe_
         "instruct or chat checkpoint has one; a base model's tokenizer often not: set "
         "tokenizer.chat_template and save it, or use the instruct checkpoint's tokenizer)"
     )
+
+
+def test_a_conversation_that_opens_with_the_assistant_learns_its_later_turns_alone(chat_tokenizer):
+    """A greeting before the user's first turn: context, masked (nothing prompts it; transformers
+    refuses to render the empty conversation before it). The later assistant turns are learned as
+    the template's {% generation %} marks them, read by transformers."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    messages = [
+        {"role": "assistant", "content": "hello, what shall I sort?"},
+        {"role": "user", "content": "sort: b a"},
+        {"role": "assistant", "content": "a b"},
+    ]
+    input_ids, labels = chat.encode(messages, tokenizer)
+    marked = tokenizer.apply_chat_template(
+        messages, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert input_ids == marked["input_ids"]
+    # the marks' first run of 1s is the greeting's: not learned; the second is the answer's
+    mask = marked["assistant_masks"]
+    greeting_ends = mask.index(0, mask.index(1))
+    learned = [0] * greeting_ends + mask[greeting_ends:]
+    assert sum(learned) > 0 and sum(learned) < sum(mask)
+    assert labels == [t if m else -100 for t, m in zip(input_ids, learned, strict=True)]
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_tokenizer(chat_tokenizer):

@@ -84,10 +84,12 @@ def encode(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
     tokens are its labels, everything else -100. An assistant turn is what the template adds from
     the conversation up to it with the generation prompt (`<|im_start|>assistant\\n`, masked) to
     the conversation with that turn: its content and the end of turn, which the model must learn
-    to say to stop."""
+    to say to stop. An assistant turn that opens the conversation is not learned."""
     input_ids, labels = [], []
     for turn, message in enumerate(messages):
-        if message.get("role") != "assistant":
+        # an assistant turn that opens the conversation (a greeting) has nothing before it that
+        # prompts it: it is context, not learned (templates refuse to render the empty prefix)
+        if message.get("role") != "assistant" or turn == 0:
             continue
         prompt = render(tokenizer, messages[:turn], add_generation_prompt=True)
         answered = render(tokenizer, messages[: turn + 1], add_generation_prompt=False)
@@ -118,6 +120,11 @@ def checked_conversation(messages, where: str) -> list[dict]:
         raise ConfigError(
             f"dataset: {where} has no assistant turn, nothing to learn from (roles: "
             f"{', '.join(roles) or 'none'})"
+        )
+    if "assistant" not in roles[1:]:
+        raise ConfigError(
+            f"dataset: {where} has no assistant turn after its first turn, which nothing prompts: "
+            f"nothing to learn from (roles: {', '.join(roles)})"
         )
     return conversation
 
