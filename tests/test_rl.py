@@ -443,6 +443,68 @@ def test_with_lora_the_reference_is_the_base_model_loaded_fresh_after_the_adapte
     assert moved > 1e-2  # the adapters changed the policy: a reference with them on would differ
 
 
+def hand_group(model, cfg) -> tuple[list[dict], dict]:
+    """hand_rows as a rollout's group: prompts (left-padded), completions and their masks."""
+    rows = hand_rows(model.config.vocab_size, cfg)
+    batch = example_batch(rows, cfg, *old_and_ref(model, rows, cfg))
+    prompt = batch["input_ids"].size(1) - cfg.max_new_tokens
+    group = {
+        "prompt_ids": batch["input_ids"][:, :prompt],
+        "prompt_mask": batch["attention_mask"][:, :prompt],
+        "completion": batch["input_ids"][:, prompt:],
+        "mask": batch["completion_mask"],
+    }
+    return rows, group
+
+
+def test_without_lora_the_reference_is_the_model_as_loaded_not_the_policy_after_it_moved(
+    chat_llama,
+):
+    """beta > 0, no --lora_r: the reference's log-probs are --hf_model's own weights' (loaded here
+    again, each row run alone in float64), after the policy's weights moved (by hand): not the
+    policy's now."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), beta=0.1, max_new_tokens=6)
+    model = rl_model.build_model(cfg)
+    with torch.no_grad():  # an update
+        generator = torch.Generator().manual_seed(0)
+        for _, parameter in sorted(model.named_parameters()):
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    rows, group = hand_group(model, cfg)
+    with torch.no_grad():
+        reference = rl_model.reference_logps(model, group, cfg)
+    base = example("model").build_model(replace(cfg, beta=0.0)).double().eval()
+    policy = model.double().eval()
+    moved = 0.0
+    for i, row in enumerate(rows):
+        with torch.no_grad():
+            expected = [float(x) for x in alone_logps(base, row, cfg.temperature)]
+            now = [float(x) for x in alone_logps(policy, row, cfg.temperature)]
+        assert reference[i, : row["counted"]].tolist() == pytest.approx(expected, abs=2e-5), i
+        moved = max(moved, *(abs(a - b) for a, b in zip(now, expected, strict=True)))
+    assert moved > 1e-2  # the policy moved: its own log-probs as the reference would differ
+
+
+def test_the_frozen_reference_moves_to_the_completions_device_at_its_first_use(chat_llama):
+    """The frozen copy is built where the model is loaded (the CPU) and goes to the device the
+    rollout's completions are on (an accelerator's; here "meta", which runs a forward's shapes
+    without values) when it first scores them; the policy stays where it is. (Eager attention:
+    the default sdpa mask reads a value, which a meta tensor has not.)"""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), beta=0.1, max_new_tokens=6)
+    model = rl_model.build_model(cfg)
+    frozen = model.rl.frozen
+    frozen.config._attn_implementation = "eager"
+    assert next(frozen.parameters()).device.type == "cpu"
+    _, group = hand_group(model, cfg)
+    on_meta = {name: tensor.to("meta") for name, tensor in group.items()}
+    with torch.no_grad():
+        reference = rl_model.reference_logps(model, on_meta, cfg)
+    assert {p.device.type for p in frozen.parameters()} == {"meta"}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert reference.device.type == "meta" and reference.shape == group["completion"].shape
+
+
 def test_the_same_seed_step_and_prompt_give_the_same_tokens_and_leave_the_rng_alone(chat_llama):
     rl_model = example("model")
     cfg = Cfg(hf_model=str(chat_llama), num_generations=4, max_new_tokens=8, temperature=1.0)
@@ -738,15 +800,67 @@ def test_the_eval_s_pass_rate_and_tokens_need_no_weighted_exact_answer_and_count
     said = [greedy_alone(model, tokenizer, prompt, cfg.max_new_tokens) for prompt in prompts]
     assert said == ["42", "42"]  # the test's own decode: the oracle says what it was told
     batch = prompt_batch(cfg, list(zip(prompts, answers, strict=True)))
-    sums = {
-        name: values.sum().item()
-        for name, values in rl_model.generate_columns(model, batch, cfg).items()
+    columns = rl_model.generate_columns(model, batch, cfg)
+    # one value per prompt (what the template gathers and sums over exactly the eval set)
+    assert {name: values.tolist() for name, values in columns.items()} == {
+        "prompts": [1.0, 1.0],
+        "reward": [1.0, 0.0],
+        "completion_tokens": [3.0, 3.0],
+        "reward_word_order": [1.0, 0.0],
+        "reward_exact_answer": [1.0, 0.0],
     }
+    sums = {name: values.sum().item() for name, values in columns.items()}
     metrics = rl_model.eval_metrics(sums, cfg)
     passed = [text == answer for text, answer in zip(said, answers, strict=True)]
     assert metrics["pass_rate"] == sum(passed) / 2 == 0.5
     assert metrics["reward"] == metrics["reward_word_order"] == 0.5  # "42": 1 word of 1 in place
     assert metrics["completion_tokens"] == 3.0  # "4", "2" and EOS
+
+
+def test_the_eval_s_columns_are_on_the_batch_s_device_float64(chat_llama, monkeypatch):
+    """The eval batch on an accelerator (here "meta"), the rewards worked out on the CPU: every
+    column comes back on the batch's device (where the template gathers them), in float64, one
+    value per prompt. The completions are given (generate stands in: a forward on "meta" has no
+    tokens to score): "42" and its end of turn, and "42" twice, never ended ("4242")."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), max_new_tokens=4, reward_weights="word_order:1")
+    model = rl_model.build_model(cfg)
+    tokenizer = model.rl.tokenizer
+    forty_two = tokenizer.encode("42")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    completion = torch.tensor([[*forty_two, end, end], forty_two * 2])
+
+    def given(model, prompt_ids, prompt_mask, rl, seeds=None):
+        assert seeds is None  # greedy
+        mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+        return {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion": completion,
+            "mask": mask,
+            "logps": None,
+        }
+
+    monkeypatch.setattr(rl_model, "generate", given)
+    batch = prompt_batch(cfg, [("sort: river alpha", "42"), ("sort: maple ocean", "4242 river")])
+    on_meta = {
+        **batch,
+        "prompt_ids": batch["prompt_ids"].to("meta"),
+        "prompt_mask": batch["prompt_mask"].to("meta"),
+    }
+    on_cpu = rl_model.generate_columns(model, batch, cfg)
+    assert {name: values.tolist() for name, values in on_cpu.items()} == {
+        "prompts": [1.0, 1.0],
+        "reward": [1.0, 0.5],  # "4242": 1 of "4242 river"'s 2 words in its place
+        "completion_tokens": [3.0, 4.0],
+        "reward_word_order": [1.0, 0.5],
+        "reward_exact_answer": [1.0, 0.0],
+    }
+    on_device = rl_model.generate_columns(model, on_meta, cfg)
+    assert sorted(on_device) == sorted(on_cpu)
+    for name, values in on_device.items():
+        assert values.device.type == "meta" and values.dtype == torch.float64, name
+        assert values.shape == (2,), name
 
 
 # ---------------------------------------------------------------- bad input, one line
@@ -856,6 +970,24 @@ def test_a_reward_function_that_fails_at_run_time_is_one_line_naming_it_and_the_
     assert line.startswith(f"reward function {function.__name__} {said}") and "\n" not in line
     assert "on the prompt 'user\\nsort: river alpha" in line
     assert RunError.exit_code == 1
+
+
+def test_a_failing_reward_s_line_cuts_the_prompt_at_200_characters(chat_llama):
+    """A prompt of 300 characters: the line shows its first 200 as the user's turn reads, the role's
+    name and a newline then the prompt (the chat template's markup left out)."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama))
+    prompt = "sort: " + " ".join(["river", "alpha", "maple", "ocean", "ember"] * 12)[:294]
+    assert len(prompt) == 300
+    batch = prompt_batch(cfg, [("sort: river alpha", "x"), (prompt, "y")])
+    rl = types.SimpleNamespace(tokenizer=rl_model.chat_tokenizer(cfg))
+    with pytest.raises(RunError) as e:
+        rl_model.checked_reward(rl, broken, "broken", "alpha", "y", batch, 1)
+    shown = ("user\n" + prompt)[:200]
+    assert str(e.value) == (
+        f"reward function broken raised ValueError: cannot parse, on the prompt {shown!r} "
+        "(completion 'alpha')"
+    )
 
 
 def test_without_a_rollout_the_seam_gives_the_micro_batches_as_fetched():
@@ -1417,6 +1549,63 @@ def test_the_step_s_values_from_its_totals_by_hand():
     assert model.batch_std({"count": 2.0, "reward_sum": 2.0, "reward_squares": 2.0 - 1e-15}) == 0
 
 
+def test_the_step_s_totals_over_two_groups_by_hand():
+    """Two micro-batches' groups of two completions (ends of turn 3 and 4): the counts, sums and KL
+    of both, in float64 (rewards 1.05, 0.35, 0.15, 1.1: float32 would round them), worked here."""
+    model = example("model")
+    rl = types.SimpleNamespace(
+        weights={"exact_answer": 1.0, "word_order": 0.5}, ends=[3, 4], previous=(10.0, 1.5)
+    )
+    zero = torch.zeros(2, 4, dtype=torch.float64)
+    groups = [
+        {
+            "completion": torch.tensor([[5, 6, 3, 0], [5, 6, 7, 8]]),  # the second never ends
+            "mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+            "rewards": torch.tensor([1.05, 0.35], dtype=torch.float64),
+            "scores": {
+                "exact_answer": torch.tensor([1.0, 0.0], dtype=torch.float64),
+                "word_order": torch.tensor([0.1, 0.7], dtype=torch.float64),
+            },
+            "logps": zero,
+            "ref_logps": torch.tensor(
+                [[0.1, -0.2, 0.3, 9.0], [0.2, 0.2, -0.1, 0.05]], dtype=torch.float64
+            ),
+        },
+        {
+            "completion": torch.tensor([[3, 0, 0, 0], [5, 4, 0, 0]]),  # both end
+            "mask": torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]]),
+            "rewards": torch.tensor([0.15, 1.1], dtype=torch.float64),
+            "scores": {
+                "exact_answer": torch.tensor([0.0, 1.0], dtype=torch.float64),
+                "word_order": torch.tensor([0.3, 0.2], dtype=torch.float64),
+            },
+            "logps": zero,
+            "ref_logps": torch.tensor(
+                [[0.4, 9.0, 9.0, 9.0], [-0.3, 0.1, 9.0, 9.0]], dtype=torch.float64
+            ),
+        },
+    ]
+    counted = [0.1, -0.2, 0.3, 0.2, 0.2, -0.1, 0.05, 0.4, -0.3, 0.1]  # ref - logps, masked in
+    totals = model.step_totals(groups, rl, torch.nn.Linear(1, 1))
+    assert totals.pop("scores") == pytest.approx(
+        {"exact_answer": 2.0, "word_order": 1.3}, rel=1e-12
+    )
+    assert totals == pytest.approx(
+        {
+            "count": 4.0,
+            "reward_sum": 1.05 + 0.35 + 0.15 + 1.1,
+            "reward_squares": 1.05**2 + 0.35**2 + 0.15**2 + 1.1**2,
+            "tokens": 3.0 + 4.0 + 1.0 + 2.0,
+            "clipped": 1.0,
+            "kl_sum": sum(math.exp(d) - d - 1 for d in counted),
+            "kl_tokens": 10.0,
+            "previous_generation_s": 1.5,
+            "longest": 4.0,
+        },
+        rel=1e-12,
+    )
+
+
 def test_the_eval_metrics_and_items_by_hand():
     model = example("model")
     sums = {"prompts": 4.0, "reward": 2.0, "reward_exact_answer": 1.0, "completion_tokens": 10.0}
@@ -1427,6 +1616,7 @@ def test_the_eval_metrics_and_items_by_hand():
         "pass_rate": 0.25,
     }
     assert model.eval_metrics({"prompts": 0.0, "reward": 0.0}, None) == {"reward": 0.0}
+    assert model.eval_metrics({"prompts": 1.0, "reward": 0.5}, None) == {"reward": 0.5}
     assert model.loss_items({"items": torch.tensor(7), "prompt_ids": torch.zeros(3, 2)}) == 7
     assert model.loss_items({"prompt_ids": torch.zeros(3, 2)}) == 3
     answers = torch.tensor([[97, 98, -1], [195, 169, 32]])
