@@ -301,7 +301,8 @@ def test_a_restarted_driver_resumes_its_trial_only_once_the_old_workers_let_go_o
 ):
     """A killed driver's trial may still have workers writing its checkpoint, holding the run
     folder's .lock: the next driver says it waits, and launches the resume only after the lock is
-    let go (here by another open file description of the lock, released 1 s later)."""
+    let go (here by another open file description of the lock, released 0.6 s after the driver
+    said it waits: past its next 0.5 s poll, whatever the machine's load)."""
     space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
     sweep_dir = tmp_path / "held"
     argv = driver_argv(sweep_dir, space, trials=1)
@@ -317,8 +318,19 @@ def test_a_restarted_driver_resumes_its_trial_only_once_the_old_workers_let_go_o
         released.append(time.time())
         held.close()
 
-    threading.Timer(1.0, let_go).start()
-    assert sweep_script().main(argv) == 0
+    driver = sweep_script()
+    say = driver.say
+
+    def say_then_let_go(text: str) -> None:
+        say(text)
+        if text.startswith("waiting for the earlier trial's processes"):
+            threading.Timer(0.6, let_go).start()
+
+    driver.say = say_then_let_go
+    never_said = threading.Timer(15.0, let_go)  # the test fails below, not at the driver's deadline
+    never_said.start()
+    assert driver.main(argv) == 0
+    never_said.cancel()
     assert "waiting for the earlier trial's processes to let go of" in capsys.readouterr().out
     assert len(launches(first)) == 2
     # argv.jsonl is appended to once per launch, at its start: the resume's
