@@ -272,6 +272,72 @@ def test_a_padded_batch_gives_each_pair_what_its_sequences_give_alone(chat_llama
     assert model_py.loss_items(batch) == len(PAIRS)
 
 
+def test_the_eval_s_metrics_are_each_column_s_mean_per_pair_and_not_the_pair_count():
+    """The template's eval sums each column over the set; the metrics are those sums per pair,
+    worked here, with one pair alone (its own numbers) as with several."""
+    eval_metrics = example("model").eval_metrics
+    sums = {
+        "pairs": 1.0,
+        "loss": 0.75,
+        "reward_accuracy": 1.0,
+        "reward_margin": 0.5,
+        "chosen_logps": -12.0,
+        "rejected_logps": -15.0,
+        "ref_chosen_logps": -13.0,
+    }
+    assert eval_metrics(sums, Cfg()) == {
+        "loss": 0.75,
+        "reward_accuracy": 1.0,
+        "reward_margin": 0.5,
+        "chosen_logps": -12.0,
+        "rejected_logps": -15.0,
+        "ref_chosen_logps": -13.0,
+    }
+    sums = {"pairs": 4.0, "loss": 3.0, "reward_accuracy": 3.0, "reward_margin": -1.0}
+    assert eval_metrics(sums, Cfg(preference_loss="simpo")) == {
+        "loss": 0.75,
+        "reward_accuracy": 0.75,
+        "reward_margin": -0.25,
+    }
+
+
+def test_the_padded_rows_go_in_with_their_attention_mask(tmp_path, chat_tokenizer):
+    """A GPT-2 chat model whose config names a pad token (0, collate's filler): transformers warns
+    that the input "may be padded" when a padded row comes without its attention mask, as the
+    model's own forward shows here. The policy's and the reference's passes give the batch's mask
+    with the rows: no such line. (With the padding at the end, a causal model's numbers would be
+    the same without it.)"""
+    import logging
+
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_positions=128, n_embd=16, n_layer=1, n_head=2, pad_token_id=0
+    )
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    model = example("model").build_model(Cfg(hf_model=str(tmp_path)))
+    batch = batch_of(PAIRS, tokenizer)
+    assert (batch["chosen_attention_mask"][:, -1] == 0).any()  # a row ends in padding
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with torch.no_grad():
+            logging.Logger.warning_once.cache_clear()  # transformers says each warning once
+            model(input_ids=batch["chosen_input_ids"])
+            assert any("may be padded" in line for line in said)  # the line, seen here
+            said.clear()
+            logging.Logger.warning_once.cache_clear()
+            model(**batch)
+    finally:
+        logger.removeHandler(handler)
+    assert not any("may be padded" in line for line in said), said
+
+
 def test_without_pairs_the_forward_is_the_hugging_face_model_s(chat_llama):
     """Generation and sampling call the model with input_ids alone: its own forward, unchanged."""
     model = example("model").build_model(Cfg(hf_model=str(chat_llama)))
@@ -281,6 +347,25 @@ def test_without_pairs_the_forward_is_the_hugging_face_model_s(chat_llama):
             model(input_ids=ids).logits, hub_model(chat_llama)(input_ids=ids).logits, rtol=0, atol=0
         )
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 8)
+    # training's forward keeps no key/value cache (generate() above asks for its own)
+    assert model(input_ids=ids).past_key_values is None
+
+
+def test_a_completion_s_log_prob_is_the_sum_of_its_counted_tokens_log_softmax():
+    """completion_logps against log_softmax and the label picked here, position t predicting label
+    t + 1, -100 not counted; the token ids include 0 (GPT-2's "!", a Llama's <unk>) as a counted
+    label, and the labels' -100 at the padding as at the prompt."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=generator)
+    labels = torch.tensor([[-100, -100, 0, 4, 0], [-100, 3, 1, -100, -100]])
+    sums, counts = example("model").completion_logps(logits, labels)
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    expected = [
+        log_probs[0, 1, 0] + log_probs[0, 2, 4] + log_probs[0, 3, 0],
+        log_probs[1, 0, 3] + log_probs[1, 1, 1],
+    ]
+    torch.testing.assert_close(sums.double(), torch.stack(expected), rtol=0, atol=1e-5)
+    assert counts.tolist() == [3, 2]
 
 
 # ---------------------------------------------------------------- the reference never moves
@@ -342,6 +427,47 @@ def test_the_frozen_reference_stays_bitwise_while_the_policy_trains_and_is_not_i
     assert len(list(model.modules())) == len(list(plain.modules()))
     frozen = model.preference.frozen
     assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
+
+
+def test_the_frozen_reference_moves_to_the_batch_s_device_at_its_first_use_only(
+    chat_llama, chat_tokenizer
+):
+    """build_model leaves the copy where it was loaded (the CPU); the template then moves the model
+    alone to the GPU. Here the copy is on 'meta', another device than the batch's CPU: the first
+    forward moves it to the batch's device once (its move recorded, the weights as loaded put back),
+    and its log-probs are then the policy's (at the start the two are one model); the next forward
+    moves nothing."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    model_py = example("model")
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    model = model_py.build_model(Cfg(hf_model=str(chat_llama)))
+    frozen = model.preference.frozen
+    loaded = copy.deepcopy(frozen)
+    frozen.to("meta")
+    moves = []
+
+    def to(device):
+        moves.append(device)
+        for mine, kept in zip(frozen.modules(), loaded.modules(), strict=True):
+            mine._parameters.update(kept._parameters)
+            mine._buffers.update(kept._buffers)
+        return frozen
+
+    frozen.to = to
+    batch = batch_of(PAIRS[:1], tokenizer)
+    with torch.no_grad():
+        output = model(**batch)
+    assert moves == [torch.device("cpu")]
+    assert next(frozen.parameters()).device == torch.device("cpu")
+    # at the start the policy is its reference: the same log-probs, the policy's from its own pass
+    torch.testing.assert_close(output.ref_chosen_logps, output.chosen_logps, rtol=0, atol=1e-6)
+    torch.testing.assert_close(output.ref_rejected_logps, output.rejected_logps, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        model(**batch)
+    assert moves == [torch.device("cpu")]  # on the batch's device already: not moved again
 
 
 def lora_cfg(chat_llama, **overrides) -> Cfg:
@@ -433,6 +559,26 @@ def test_the_reference_digest_follows_the_reference_weights_not_the_policy(
     simpo = model_py.build_model(Cfg(hf_model=str(chat_llama), preference_loss="simpo"))
     assert simpo.preference.frozen is None and model_py.identity(simpo) == {}
     assert capsys.readouterr().out.endswith("reference: none (simpo is reference-free)\n")
+
+
+def test_the_frozen_copy_s_size_is_its_bytes_in_gib(monkeypatch, capsys):
+    """The start-up line's size of the frozen copy: a stand-in on 'meta' (no memory) of
+    3 x 2^28 fp32 weights and 2^28 bf16 ones, by hand 2^30 parameters and
+    3 x 2^28 x 4 + 2^28 x 2 bytes = 3.5 x 2^30 bytes, 3.50 GiB (its digest stubbed: meta has no
+    bytes to hash)."""
+    model_py = example("model")
+    frozen = torch.nn.Module()
+    frozen.wide = torch.nn.Parameter(torch.empty(3 * 2**28, device="meta"), requires_grad=False)
+    half = torch.empty(2**28, device="meta", dtype=torch.bfloat16)
+    frozen.narrow = torch.nn.Parameter(half, requires_grad=False)
+    monkeypatch.setattr(model_py, "weights_digest", lambda weights: "0123abcd")
+    model = torch.nn.Module()
+    model.preference = model_py.Preference(Cfg(hf_model="org/chat-7b"), frozen)
+    assert model_py.identity(model) == {"reference": "0123abcd"}
+    assert capsys.readouterr().out == (
+        "reference: a frozen copy of org/chat-7b as loaded (1,073,741,824 parameters, 3.50 GiB on "
+        "each process), weights digest 0123abcd\n"
+    )
 
 
 # ---------------------------------------------------------------- the data
@@ -804,6 +950,18 @@ def test_the_model_s_keys_are_refused_in_one_line(overrides, line):
     with pytest.raises(ConfigError) as refused:
         example("model").check_config(cfg)
     assert str(refused.value) == line
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"preference_loss": "sigmoid", "label_smoothing": 0.1},  # cDPO
+        {"preference_loss": "ipo", "label_smoothing": 0.0},
+        {"preference_loss": "simpo", "label_smoothing": 0.0, "beta": 2.0},
+    ],
+)
+def test_label_smoothing_is_accepted_with_sigmoid_and_its_zero_with_each_loss(overrides):
+    example("model").check_config(replace(Cfg(hf_model="m", dataset="pairs.jsonl"), **overrides))
 
 
 def test_an_sft_run_s_adapter_folder_is_refused_as_the_start(tmp_path):
