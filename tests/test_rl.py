@@ -1635,3 +1635,146 @@ def test_a_sampler_given_other_rows_than_seeds_is_one_line():
     with pytest.raises(RuntimeError) as e:
         sampler(None, torch.zeros(3, 5))
     assert str(e.value) == "3 rows to sample, 2 seeds"
+
+
+def test_a_micro_batch_s_advantages_are_float32_on_the_rows_device_by_hand():
+    """Two prompts' groups of two, float64 rewards 1, 0 and 0.5, 0.5: each group's mean 0.5, the
+    first's unbiased std sqrt(0.5), the second's 0; the advantages (reward - 0.5) / (std + 1e-4)
+    worked here, as float32 (the loss's dtype), one a row, on the rows' device."""
+    model = example("model")
+    cfg = Cfg(num_generations=2, scale_rewards="group")
+    group = {
+        "prompt_ids": torch.tensor([[7, 8], [7, 8], [9, 9], [9, 9]]),
+        "prompt_mask": torch.ones(4, 2, dtype=torch.int64),
+        "completion": torch.tensor([[5, 3], [6, 3], [5, 3], [5, 3]]),
+        "mask": torch.ones(4, 2, dtype=torch.int64),
+        "rewards": torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.float64),
+        "logps": torch.zeros(4, 2),
+    }
+    batch = model.training_batch(group, cfg, {})
+    assert batch["advantages"].dtype == torch.float32
+    assert batch["advantages"].device == batch["input_ids"].device
+    scaled = 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert batch["advantages"].tolist() == pytest.approx([scaled, -scaled, 0.0, 0.0], rel=1e-6)
+    assert batch["items"].item() == 4
+    # the completions on "meta", standing in for an accelerator, the rewards on the CPU: the
+    # advantages go to the rows' device
+    on_meta = {key: value.to("meta") if key != "rewards" else value for key, value in group.items()}
+    batch = model.training_batch(on_meta, cfg, {})
+    assert batch["advantages"].device.type == "meta" and batch["items"].device.type == "meta"
+    assert batch["advantages"].dtype == torch.float32
+
+
+def summed_on_two_ranks(rank: int, store_path: str, out: str) -> None:
+    """One of two gloo processes: its own groups' step_totals, written as JSON."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        model = example("model")
+        rl = types.SimpleNamespace(
+            weights={"exact_answer": 1.0}, ends=[3], previous=(10.0, [1.0, 4.0][rank])
+        )
+        if rank == 0:  # two completions: 3 tokens (ended), 2 tokens (not)
+            group = {
+                "completion": torch.tensor([[5, 6, 3], [5, 6, 0]]),
+                "mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                "rewards": torch.tensor([1.0, 0.25], dtype=torch.float64),
+                "scores": {"exact_answer": torch.tensor([1.0, 0.0], dtype=torch.float64)},
+                "logps": torch.zeros(2, 3, dtype=torch.float64),
+                "ref_logps": torch.tensor([[0.5, 0.0, 0.0], [0.0, 0.0, 9.0]], dtype=torch.float64),
+            }
+        else:  # one completion of 4 tokens, not ended
+            group = {
+                "completion": torch.tensor([[5, 6, 7, 8]]),
+                "mask": torch.tensor([[1, 1, 1, 1]]),
+                "rewards": torch.tensor([0.5], dtype=torch.float64),
+                "scores": {"exact_answer": torch.tensor([0.5], dtype=torch.float64)},
+                "logps": torch.tensor([[0.25, 0.0, 0.0, 0.0]], dtype=torch.float64),
+                "ref_logps": torch.tensor([[-0.25, 0.0, 0.0, 0.0]], dtype=torch.float64),
+            }
+        totals = model.step_totals([group], rl, torch.nn.Linear(1, 1))
+        Path(out).write_text(json.dumps(totals))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_step_s_totals_are_summed_over_two_processes_by_hand(tmp_path):
+    """A real gloo group of 2 on CPU, each rank its own completions: every sum is both ranks'
+    (3 completions, rewards 1 + 0.25 + 0.5, 3 + 2 + 4 tokens, 2 not ended, KL over 5 + 4 tokens of
+    e^0.5 - 1.5 and e^-0.5 - 0.5: -0.25 - 0.25), the longest is the max (4, rank 1's), the last generation's
+    seconds the ranks' mean (1 and 4: 2.5), and the same on both ranks."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    store = tmp_path / "store"
+    outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
+    workers = [
+        fork.Process(target=summed_on_two_ranks, args=(rank, str(store), str(outs[rank])))
+        for rank in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    kl = (math.exp(0.5) - 0.5 - 1) + (math.exp(-0.5) + 0.5 - 1)
+    expected = {
+        "count": 3.0,
+        "reward_sum": 1.75,
+        "reward_squares": 1.0 + 0.0625 + 0.25,
+        "tokens": 9.0,
+        "clipped": 2.0,
+        "kl_sum": kl,
+        "kl_tokens": 9.0,
+        "previous_generation_s": 2.5,
+        "scores": {"exact_answer": 1.5},
+        "longest": 4.0,
+    }
+    for out in outs:
+        totals = json.loads(out.read_text())
+        assert list(totals) == list(expected)
+        assert totals.pop("scores") == pytest.approx(expected["scores"], rel=1e-12)
+        assert totals == pytest.approx(
+            {key: value for key, value in expected.items() if key != "scores"}, rel=1e-12
+        )
+
+
+@pytest.mark.parametrize("beta", [0.0, -0.1])
+def test_no_reference_identity_without_kl(beta, capsys):
+    model = torch.nn.Module()
+    model.rl = types.SimpleNamespace(cfg=Cfg(hf_model="org/chat-7b", beta=beta), frozen=None)
+    assert example("model").identity(model) == {}
+    assert capsys.readouterr().out == ""
+
+
+def test_the_reference_s_identity_is_the_frozen_copy_s_weights_or_the_base_without_lora(
+    monkeypatch, capsys
+):
+    """beta 0.5: with a frozen copy, its own state_dict is digested; without one (LoRA), the
+    policy's weights with the adapters' left out and '.base_layer.' named as the plain layer's
+    (the names and tensors a model without LoRA has). The digest stubbed to record what it got;
+    the start-up line worked here."""
+    model_py = example("model")
+    seen = []
+    monkeypatch.setattr(model_py, "weights_digest", lambda w: seen.append(w) or f"d{len(seen)}")
+    frozen = torch.nn.Linear(2, 1, bias=False)
+    policy = torch.nn.Module()
+    policy.rl = types.SimpleNamespace(cfg=Cfg(hf_model="org/chat-7b", beta=0.5), frozen=frozen)
+    assert model_py.identity(policy) == {"reference": "d1"}
+    assert list(seen[0]) == ["weight"] and torch.equal(seen[0]["weight"], frozen.weight)
+    assert capsys.readouterr().out == (
+        "reference: a frozen copy of org/chat-7b as loaded, weights digest d1\n"
+    )
+    lora = torch.nn.Module()
+    lora.q = torch.nn.Module()
+    lora.q.base_layer = torch.nn.Linear(2, 2, bias=False)
+    lora.q.lora_A = torch.nn.Linear(2, 1, bias=False)
+    lora.norm = torch.nn.LayerNorm(2)
+    lora.rl = types.SimpleNamespace(cfg=Cfg(hf_model="org/chat-7b", beta=0.5), frozen=None)
+    assert model_py.identity(lora) == {"reference": "d2"}
+    assert sorted(seen[1]) == ["norm.bias", "norm.weight", "q.weight"]
+    assert torch.equal(seen[1]["q.weight"], lora.q.base_layer.weight)
+    assert capsys.readouterr().out == (
+        "reference: org/chat-7b with its LoRA adapters off (no copy), weights digest d2\n"
+    )
