@@ -384,6 +384,8 @@ def table(measured: dict) -> str:
         killed = counts.get("killed", 0) + counts.get("timeout", 0)
         timeouts = f" ({counts['timeout']} by timeout)" if counts.get("timeout") else ""
         scope = "the functions SCOPE names" if module in SCOPE else "all of it"
+        if "of" in measured[module]:  # a run stopped part-way: its judged mutants of the module's
+            scope = f"in part: {sum(counts.values())} of {measured[module]['of']} mutants run"
         tests = ", ".join(Path(test).name for test in MODULES[module])
         rows.append(
             f"| {module} | {scope} | {tests} | {sum(counts.values())} | {killed}{timeouts} | "
@@ -411,12 +413,15 @@ def merged(before: dict, again: dict) -> dict:
         for status, number in seen.items():
             counts[status] = counts.get(status, 0) + number
     minutes = before["minutes"] + again["minutes"]
-    return {
+    merged_row = {
         "counts": counts,
         "by_function": by_function,
         "survivors": survivors,
         "minutes": minutes,
     }
+    if "of" in before:  # still a module measured in part
+        merged_row["of"] = before["of"]
+    return merged_row
 
 
 def changed_functions(module: str, since: str) -> list[str]:
