@@ -431,16 +431,24 @@ def test_with_lora_the_reference_is_the_base_model_loaded_fresh_after_the_adapte
     }
     with torch.no_grad():
         reference = rl_model.reference_logps(model, group, cfg)
-    base = example("model").build_model(replace(cfg, lora_r=0, beta=0.0)).double().eval()
-    policy = model.double().eval()
+    base = example("model").build_model(replace(cfg, lora_r=0, beta=0.0))
+    # the adapters changed the policy: a reference with them on would differ
+    assert reference_is_the_base_s(reference, rows, base, model, cfg.temperature) > 1e-2
+
+
+def reference_is_the_base_s(reference, rows, base, policy, temperature: float) -> float:
+    """Each row's reference log-probs are the base model's, each row run alone in float64; returns
+    how far the policy's own log-probs are from them (the most, over the rows' tokens)."""
+    base = base.double().eval()
+    policy = policy.double().eval()
     moved = 0.0
     for i, row in enumerate(rows):
         with torch.no_grad():
-            expected = [float(x) for x in alone_logps(base, row, cfg.temperature)]
-            adapted = [float(x) for x in alone_logps(policy, row, cfg.temperature)]
+            expected = [float(x) for x in alone_logps(base, row, temperature)]
+            now = [float(x) for x in alone_logps(policy, row, temperature)]
         assert reference[i, : row["counted"]].tolist() == pytest.approx(expected, abs=2e-5), i
-        moved = max(moved, *(abs(a - b) for a, b in zip(adapted, expected, strict=True)))
-    assert moved > 1e-2  # the adapters changed the policy: a reference with them on would differ
+        moved = max(moved, *(abs(a - b) for a, b in zip(now, expected, strict=True)))
+    return moved
 
 
 def hand_group(model, cfg) -> tuple[list[dict], dict]:
@@ -473,16 +481,9 @@ def test_without_lora_the_reference_is_the_model_as_loaded_not_the_policy_after_
     rows, group = hand_group(model, cfg)
     with torch.no_grad():
         reference = rl_model.reference_logps(model, group, cfg)
-    base = example("model").build_model(replace(cfg, beta=0.0)).double().eval()
-    policy = model.double().eval()
-    moved = 0.0
-    for i, row in enumerate(rows):
-        with torch.no_grad():
-            expected = [float(x) for x in alone_logps(base, row, cfg.temperature)]
-            now = [float(x) for x in alone_logps(policy, row, cfg.temperature)]
-        assert reference[i, : row["counted"]].tolist() == pytest.approx(expected, abs=2e-5), i
-        moved = max(moved, *(abs(a - b) for a, b in zip(now, expected, strict=True)))
-    assert moved > 1e-2  # the policy moved: its own log-probs as the reference would differ
+    base = example("model").build_model(replace(cfg, beta=0.0))
+    # the policy moved: its own log-probs as the reference would differ
+    assert reference_is_the_base_s(reference, rows, base, model, cfg.temperature) > 1e-2
 
 
 def test_the_frozen_reference_moves_to_the_completions_device_at_its_first_use(chat_llama):
