@@ -1666,8 +1666,9 @@ def test_a_micro_batch_s_advantages_are_float32_on_the_rows_device_by_hand():
     assert batch["advantages"].dtype == torch.float32
 
 
-def summed_on_two_ranks(rank: int, store_path: str, out: str) -> None:
+def summed_on_two_ranks(rank: int, store_path: str, folder: str) -> None:
     """One of two gloo processes: its own groups' step_totals, written as JSON."""
+    out = Path(folder) / f"rank{rank}.json"
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
@@ -1705,20 +1706,10 @@ def test_the_step_s_totals_are_summed_over_two_processes_by_hand(tmp_path):
     (3 completions, rewards 1 + 0.25 + 0.5, 3 + 2 + 4 tokens, 2 not ended, KL over 5 + 4 tokens of
     e^0.5 - 1.5 and e^-0.5 - 0.5: -0.25 - 0.25), the longest is the max (4, rank 1's), the last generation's
     seconds the ranks' mean (1 and 4: 2.5), and the same on both ranks."""
-    import multiprocessing
-
-    fork = multiprocessing.get_context("fork")
+    # fresh interpreters (spawn): a fork of this process would inherit torch's thread pools
     store = tmp_path / "store"
     outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
-    workers = [
-        fork.Process(target=summed_on_two_ranks, args=(rank, str(store), str(outs[rank])))
-        for rank in range(2)
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(30)
-    assert [worker.exitcode for worker in workers] == [0, 0]
+    torch.multiprocessing.spawn(summed_on_two_ranks, args=(str(store), str(tmp_path)), nprocs=2)
     kl = (math.exp(0.5) - 0.5 - 1) + (math.exp(-0.5) + 0.5 - 1)
     expected = {
         "count": 3.0,
