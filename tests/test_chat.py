@@ -438,6 +438,34 @@ def test_a_conversation_that_opens_with_the_assistant_learns_its_later_turns_alo
     assert labels == [t if m else -100 for t, m in zip(input_ids, learned, strict=True)]
 
 
+def test_each_reply_s_end_of_turn_is_learned_where_the_template_writes_it_without_a_prompt(
+    chat_tokenizer,
+):
+    """A template that ends the last assistant turn only where no generation prompt is asked for,
+    by `add_generation_prompt == false` (as some do; `None` is not false to it): the conversation's
+    tokens are apply_chat_template's, and each reply is learned with its end of turn."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.chat_template = (
+        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+        "{%- if m['role'] != 'assistant' or not loop.last or add_generation_prompt == false %}"
+        "{{ '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "sort: b a"},
+        {"role": "assistant", "content": "a b"},
+        {"role": "user", "content": "sort: d c"},
+        {"role": "assistant", "content": "c d"},
+    ]
+    input_ids, labels = chat.encode(messages, tokenizer)
+    whole = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert input_ids == whole
+    learned = [token for token in labels if token != -100]
+    assert tokenizer.decode(learned) == "a b<|im_end|>\nc d<|im_end|>\n"
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_tokenizer(chat_tokenizer):
     from transformers import AutoTokenizer
 
