@@ -168,15 +168,17 @@ def example_batch(rows: list[dict], cfg, old: dict, ref: dict, pad: int = 0) -> 
         olds.append(old[i] + filler)
         refs.append(ref[i] + filler)
     counted = sum(row["counted"] for row in rows) if cfg.rl_loss == "dapo" else len(rows)
-    return {
+    batch = {
         "input_ids": torch.tensor(ids),
         "attention_mask": torch.tensor(attention),
         "completion_mask": torch.tensor(mask),
         "advantages": torch.tensor([row["advantage"] for row in rows], dtype=torch.float64),
         "old_logps": torch.tensor(olds, dtype=torch.float64),
-        "ref_logps": torch.tensor(refs, dtype=torch.float64),
         "items": torch.tensor(counted),
     }
+    if cfg.beta > 0:  # the rollout computes reference log-probs only for the KL penalty
+        batch["ref_logps"] = torch.tensor(refs, dtype=torch.float64)
+    return batch
 
 
 def float64_model(chat_llama, cfg):
@@ -223,6 +225,17 @@ def test_each_loss_and_its_gradient_equal_the_formula_in_float64(chat_llama, set
     if cfg.updates_per_rollout > 1:  # the offsets put some ratios beyond the clip range
         clipped = [abs(o) > 0.2 for row in rows for o in row["old_offset"][: row["counted"]]]
         assert any(clipped) and not all(clipped)
+
+
+def test_a_dapo_micro_batch_of_one_counted_token_is_that_token_s_term(chat_llama):
+    """dapo divides by the micro-batch's counted tokens, even when there is one."""
+    cfg = Cfg(hf_model=str(chat_llama), rl_loss="dapo", updates_per_rollout=2, beta=0.1)
+    model = float64_model(chat_llama, cfg)
+    row = {**hand_rows(model.config.vocab_size, cfg)[0], "counted": 1}
+    old, ref = old_and_ref(model, [row], cfg)
+    loss = model(**example_batch([row], cfg, old, ref)).loss
+    expected = formula_loss(model, [row], cfg, old, ref)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12, abs=1e-15)
 
 
 class TwoRanks:
@@ -1548,6 +1561,13 @@ def test_the_step_s_values_from_its_totals_by_hand():
     # one completion: no n - 1 = 0 to divide by; a variance rounded below 0 is 0
     assert model.batch_std({"count": 1.0, "reward_sum": 2.0, "reward_squares": 4.0}) == 0.0
     assert model.batch_std({"count": 2.0, "reward_sum": 2.0, "reward_squares": 2.0 - 1e-15}) == 0
+    # two completions, rewards 0 and 1: n - 1 = 1
+    two = {"count": 2.0, "reward_sum": 1.0, "reward_squares": 1.0}
+    assert model.batch_std(two) == pytest.approx(statistics.stdev([0, 1]), rel=1e-12)
+    # a step shorter than a second: generation's share of it as it is
+    rl.previous = (10.0, 0.25)
+    short = {**totals, "previous_generation_s": 0.25}
+    assert model.step_values(short, rl, 10.5, 0.1)["generation_share"] == pytest.approx(0.5)
 
 
 def test_the_step_s_totals_over_two_groups_by_hand():
