@@ -600,6 +600,23 @@ def test_each_sampled_token_is_the_argmax_of_its_log_probs_plus_its_own_seed_s_g
     assert checked > 2 * cfg.num_generations and excluded > 0  # top_p left tokens out
 
 
+def test_the_completion_seed_is_sha256_s_first_8_bytes_little_endian_with_the_top_bit_dropped():
+    """rollout_seed against sha256 worked here: the first 8 bytes of the digest, little-endian, mod
+    2^63 (the top bit dropped), over inputs of which some have that bit set. The sampling test
+    above cannot see that bit: a CPU torch.Generator seeds from the low 32 bits only, but a CUDA
+    one takes all 64, so a seed off in its top bit samples other tokens there."""
+    rl_model = example("model")
+    top_bit_set = 0
+    for step in (0, 3):
+        for prompt in (0, 7, 12):
+            for g in range(4):
+                digest = hashlib.sha256(f"1337/{step}/{prompt}/{g}".encode()).digest()
+                whole = int.from_bytes(digest[:8], "little")
+                top_bit_set += whole >= 2**63
+                assert rl_model.rollout_seed(1337, step, prompt, g) == whole & (2**63 - 1)
+    assert top_bit_set > 0  # the mod changed some
+
+
 # three prompts of different lengths: the middle one is left-padded in a batch of all three
 AROUND = [
     ("sort: river alpha", "alpha river"),
@@ -718,6 +735,85 @@ def test_updates_per_rollout_reuses_a_rollout_and_generates_at_its_steps(chat_ll
     (c,), _ = rl_model.rollout(model, micro, cfg, step=4)
     assert b is a and c is not a
     assert torch.equal(a["old_logps"], b["old_logps"])
+
+
+def test_after_its_end_of_turn_a_completion_is_the_tokenizer_s_padding(chat_llama, tmp_path):
+    """A tokenizer with a padding token of its own, not an end of turn (here <|im_start|>, as a
+    fork's tokenizer may declare one): each sampled completion is its tokens up to and with its
+    first end of turn, then that padding token to the batch's width, read here from the saved
+    tokenizer; generation stops where the last row ends, so the width is the longest row's."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "padded"
+    shutil.copytree(chat_llama, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = "<|im_start|>"
+    tokenizer.save_pretrained(folder)
+    pad = AutoTokenizer.from_pretrained(folder).pad_token_id
+    ends = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
+    assert pad not in ends  # the padding is not an end of turn: the two are told apart
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(folder), num_generations=4, max_new_tokens=12)
+    model = rl_model.build_model(cfg)
+    with torch.no_grad():  # the random model says <|im_end|> often: most rows end early
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids("<|im_end|>")] *= 20
+    (batch,), _ = rl_model.rollout(model, [prompt_batch(cfg)], cfg, step=0)
+    width = batch["completion_mask"].size(1)
+    padded, lengths = 0, []
+    for row in batch["input_ids"][:, -width:].tolist():
+        first = next((t for t, token in enumerate(row) if token in ends), None)
+        counted = width if first is None else first + 1
+        lengths.append(counted)
+        assert row[counted:] == [pad] * (width - counted), row
+        padded += width - counted
+    assert padded > 0  # some rows ended before the others
+    assert width == max(lengths)
+
+
+def test_with_beta_the_rollout_s_reference_log_probs_and_kl_are_the_start_s_weights(chat_llama):
+    """beta = 0.5 (> 0, < 1), the policy moved by hand after it was built: each rollout row's
+    ref_logps are the log-probs of the weights as loaded (--hf_model loaded again here, each row
+    run alone), and the step's kl is k3 of those against the moved policy's own log-probs (each
+    row alone too), summed over the counted tokens over their number: both worked here."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), beta=0.5, num_generations=3, max_new_tokens=8)
+    model = rl_model.build_model(cfg)
+    with torch.no_grad():  # an update: the policy is no longer the reference
+        generator = torch.Generator().manual_seed(0)
+        for _, parameter in sorted(model.named_parameters()):
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    (batch,), values = rl_model.rollout(model, [prompt_batch(cfg)], cfg, step=0)
+    base = example("model").build_model(replace(cfg, beta=0.0))
+    reference = forward_logps(base, batch, cfg.temperature)
+    policy = forward_logps(model, batch, cfg.temperature)
+    k3_sum, tokens = 0.0, 0
+    for row, (ref, now) in enumerate(zip(reference, policy, strict=True)):
+        assert batch["ref_logps"][row, : len(ref)].tolist() == pytest.approx(ref, abs=2e-5), row
+        for r, p in zip(ref, now, strict=True):
+            k3_sum += math.exp(r - p) - (r - p) - 1
+            tokens += 1
+    assert k3_sum / tokens > 1e-3  # the policy moved: a KL left out (0) would differ
+    assert values["kl"] == pytest.approx(k3_sum / tokens, rel=1e-3)
+
+
+def test_generation_s_share_is_the_step_before_s_generation_seconds_over_the_time_between(
+    chat_llama, monkeypatch
+):
+    """A clock by hand (the module's perf_counter): step 0's rollout starts at 100 s and its
+    generation ends at 103 s, step 1's starts at 110 s: step 1's generation_share is 3 / 10."""
+    rl_model = example("model")
+    readings = iter([100.0, 103.0, 110.0, 111.5])
+    monkeypatch.setattr(
+        rl_model, "time", types.SimpleNamespace(perf_counter=lambda: next(readings))
+    )
+    cfg = Cfg(hf_model=str(chat_llama), num_generations=2, max_new_tokens=4)
+    model = rl_model.build_model(cfg)
+    _, first = rl_model.rollout(model, [prompt_batch(cfg)], cfg, step=0)
+    _, second = rl_model.rollout(model, [prompt_batch(cfg)], cfg, step=1)
+    assert "generation_share" not in first  # no step before
+    assert second["generation_share"] == pytest.approx(3 / 10, rel=1e-12)
 
 
 def greedy_alone(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
