@@ -1631,7 +1631,7 @@ def test_the_step_s_values_from_its_totals_by_hand():
         "longest": 5.0,
     }
     rl = types.SimpleNamespace(previous=(10.0, 2.0), cfg=types.SimpleNamespace(beta=0.1))
-    values = model.step_values(totals, rl, started=14.0, generation_s=1.0)
+    values = model.step_values(totals, rl, started=14.0)
     assert values == pytest.approx(
         {
             "reward": 7 / 3,
@@ -1648,12 +1648,10 @@ def test_the_step_s_values_from_its_totals_by_hand():
     )
     # the first step: no step before; beta 0: no KL; no KL tokens: KL over at least 1
     no_kl_tokens = {**totals, "kl_tokens": 0.0}
-    first = model.step_values(
-        no_kl_tokens, types.SimpleNamespace(previous=None, cfg=rl.cfg), 14.0, 1.0
-    )
+    first = model.step_values(no_kl_tokens, types.SimpleNamespace(previous=None, cfg=rl.cfg), 14.0)
     assert "generation_share" not in first and first["kl"] == 0.6
     rl.cfg.beta = 0.0
-    assert "kl" not in model.step_values(totals, rl, 14.0, 1.0)
+    assert "kl" not in model.step_values(totals, rl, 14.0)
     # one completion: no n - 1 = 0 to divide by; a variance rounded below 0 is 0
     assert model.batch_std({"count": 1.0, "reward_sum": 2.0, "reward_squares": 4.0}) == 0.0
     assert model.batch_std({"count": 2.0, "reward_sum": 2.0, "reward_squares": 2.0 - 1e-15}) == 0
@@ -1663,7 +1661,7 @@ def test_the_step_s_values_from_its_totals_by_hand():
     # a step shorter than a second: generation's share of it as it is
     rl.previous = (10.0, 0.25)
     short = {**totals, "previous_generation_s": 0.25}
-    assert model.step_values(short, rl, 10.5, 0.1)["generation_share"] == pytest.approx(0.5)
+    assert model.step_values(short, rl, 10.5)["generation_share"] == pytest.approx(0.5)
 
 
 def test_the_step_s_totals_over_two_groups_by_hand():

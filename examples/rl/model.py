@@ -539,7 +539,7 @@ def rollout(policy, micro_batches: list[dict], cfg, step: int) -> tuple[list[dic
             if cfg.beta > 0:
                 group["ref_logps"] = reference_logps(policy, group, cfg)
     totals = step_totals(groups, rl, policy)
-    values = step_values(totals, rl, started, generation_s)
+    values = step_values(totals, rl, started)
     batches = [training_batch(group, cfg, totals) for group in groups]
     rl.previous = (started, generation_s)
     rl.cached = (generated_at, batches, values) if cfg.updates_per_rollout > 1 else None
@@ -644,7 +644,7 @@ def batch_std(totals: dict) -> float:
     return math.sqrt(max(variance, 0.0))
 
 
-def step_values(totals: dict, rl, started: float, generation_s: float) -> dict:
+def step_values(totals: dict, rl, started: float) -> dict:
     """The step's line: reward and its std, each function's mean, the completions' lengths, the
     clipped share, generation's share of the step before, and KL (beta > 0)."""
     count = totals["count"]
