@@ -1100,6 +1100,67 @@ def test_a_failing_reward_s_line_cuts_the_prompt_at_200_characters(chat_llama):
     )
 
 
+def hand_scored(cfg, completions: list[str]) -> tuple[types.SimpleNamespace, dict]:
+    """What score reads, by hand: SORTS' two prompts as data.py makes them, each repeated for its
+    share of `completions` (rows prompt-major, as the rollout's), each completion its text's tokens,
+    <|im_end|>, then EOS padding (the mask 1 up to and with the <|im_end|>)."""
+    from chat import chat_tokenizer
+
+    tokenizer = chat_tokenizer(cfg)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    batch = prompt_batch(cfg)
+    repeat = len(completions) // len(SORTS)
+    encoded = [tokenizer.encode(text, add_special_tokens=False) + [im_end] for text in completions]
+    width = max(len(tokens) for tokens in encoded) + 1  # every row padded, the longest too
+    padding = tokenizer.eos_token_id
+    generated = {
+        "prompt_ids": batch["prompt_ids"].repeat_interleave(repeat, dim=0),
+        "prompt_mask": batch["prompt_mask"].repeat_interleave(repeat, dim=0),
+        "answer_bytes": batch["answer_bytes"],
+        "completion": torch.tensor([t + [padding] * (width - len(t)) for t in encoded]),
+        "mask": torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in encoded]),
+    }
+    ends = [im_end, tokenizer.eos_token_id]
+    return types.SimpleNamespace(tokenizer=tokenizer, ends=ends), generated
+
+
+def fails_on_the_second(completion: str, answer: str) -> float:
+    """A reward that raises on the second of SORTS' prompts alone (by its answer)."""
+    if answer == SORTS[1][1]:
+        raise ValueError("cannot parse")
+    return 1.0
+
+
+def nan_on_the_second(completion: str, answer: str) -> float:
+    """A reward that gives no number on the second of SORTS' prompts alone (by its answer)."""
+    return math.nan if answer == SORTS[1][1] else 1.0
+
+
+@pytest.mark.parametrize(
+    "function, said",
+    [
+        (fails_on_the_second, "raised ValueError: cannot parse"),
+        (nan_on_the_second, "returned nan, not a finite number"),
+    ],
+)
+def test_a_reward_that_fails_on_the_second_prompt_names_that_prompt_alone(
+    chat_llama, monkeypatch, function, said
+):
+    """Two prompts, the reward fine on the first and failing on the second: the line names the
+    second prompt as the user wrote it (its role, its text, the generation prompt's role; SORTS[1]
+    by hand), not the batch's prompts run together, and the second's completion."""
+    rl_model = with_reward(monkeypatch, function)
+    cfg = Cfg(hf_model=str(chat_llama))
+    rl, generated = hand_scored(cfg, ["alpha river", "ember maple ocean"])
+    rl.weights = {function.__name__: 1.0}
+    with pytest.raises(RunError) as e:
+        rl_model.score(rl, generated)
+    assert str(e.value) == (
+        f"reward function {function.__name__} {said}, on the prompt "
+        "'user\\nsort: maple ocean ember\\nassistant' (completion 'ember maple ocean')"
+    )
+
+
 def test_without_a_rollout_the_seam_gives_the_micro_batches_as_fetched():
     """The shipped model.py has no rollout: the loop's call is a no-op (the same list, no values)."""
     import task
@@ -1152,6 +1213,16 @@ def test_collate_pads_prompts_left_with_0_and_answers_right_with_minus_1():
         "prompt_index": [4, 11],
     }
     assert all(value.dtype == torch.int64 for value in batch.values())
+
+
+def test_an_answer_holding_the_byte_0_comes_back_whole_through_collate(chat_llama):
+    """The answers "a\\x00b" (byte 0 is valid UTF-8: the NUL character) and "café" (a 2-byte
+    character) through data.py's rows and collate (-1 the padding) and back as text: the padding
+    alone is dropped, the 0 kept."""
+    cfg = Cfg(hf_model=str(chat_llama))
+    batch = prompt_batch(cfg, [("sort: b a", "a\x00b"), ("sort: river alpha", "café")])
+    assert batch["answer_bytes"].tolist() == [[97, 0, 98, -1, -1], [99, 97, 102, 195, 169]]
+    assert example("model").answers_of(batch["answer_bytes"]) == ["a\x00b", "café"]
 
 
 def test_a_prompt_row_is_a_user_s_turn_or_a_chat_and_its_answer_a_string():
@@ -1743,6 +1814,29 @@ def test_the_eval_metrics_and_items_by_hand():
         "same_words": torch.tensor([9.0, 9.0], dtype=torch.float64),  # not weighed: no weight
     }
     assert model.weighted(rl, scores).tolist() == [2.25, 0.5]
+
+
+def test_the_rollout_scores_only_the_weighted_functions_and_the_eval_adds_exact_answer(
+    chat_llama,
+):
+    """Four completions by hand, two a prompt (rows prompt-major), --reward_weights word_order
+    alone: score (the rollout's call) gives word_order's 1, 0, 1/3, 1 against alpha river and
+    ember maple ocean, and no other function's (a fork's exact_answer that the task cannot meet
+    must not run in training); with_pass (the eval's call) adds exact_answer's 1, 0, 0, 1."""
+    rl_model = example("model")
+    cfg = Cfg(hf_model=str(chat_llama), reward_weights="word_order:1")
+    completions = ["alpha river", "river alpha", "ember ocean maple", "ember maple ocean"]
+    rl, generated = hand_scored(cfg, completions)
+    rl.weights = rl_model.reward_weights(cfg)
+    scores = rl_model.score(rl, generated)
+    assert {name: values.tolist() for name, values in scores.items()} == {
+        "word_order": [1.0, 0.0, 1 / 3, 1.0],
+    }
+    scores = rl_model.score(rl, generated, with_pass=True)
+    assert {name: values.tolist() for name, values in scores.items()} == {
+        "word_order": [1.0, 0.0, 1 / 3, 1.0],
+        "exact_answer": [1.0, 0.0, 0.0, 1.0],
+    }
 
 
 def test_a_sampler_given_other_rows_than_seeds_is_one_line():
