@@ -155,6 +155,13 @@ def check_choices(where: str, key: str, spec: dict, type_name: str) -> None:
     if not isinstance(spec["choices"], list) or not spec["choices"]:
         raise SweepError(f"{where}: choices must be a non-empty list")
     for choice in spec["choices"]:
+        # a trial's dataset is its flag's string; a mixture written as a YAML list is no value
+        # Optuna stores
+        if key == "dataset" and not isinstance(choice, str):
+            raise SweepError(
+                f"{where}: each choice is one string: a path, a hub name or a mixture "
+                f"'PATH:WEIGHT,...' (got {choice!r})"
+            )
         typed(where, key, choice, type_name)
 
 
@@ -194,7 +201,7 @@ def distributions(space: dict) -> dict:
         type_name = types[key] if isinstance(types[key], str) else types[key].__name__
         if "choices" in spec:
             found[key] = d.CategoricalDistribution(
-                [coerce(key, c, type_name) for c in spec["choices"]]
+                [choice_value(key, c, type_name) for c in spec["choices"]]
             )
         elif type_name == "int":
             step = int(spec.get("step", 1))
@@ -207,6 +214,15 @@ def distributions(space: dict) -> dict:
                 low, high, log=bool(spec.get("log")), step=spec.get("step")
             )
     return found
+
+
+def choice_value(key: str, choice, type_name: str):
+    """A choice as Optuna stores it and the trial's flag writes it: of the key's type (YAML's "8"
+    for an int key is 8); a dataset as written, for the trial to parse (its parsed mixture, a tuple
+    of sources, is no value Optuna stores)."""
+    if key == "dataset":
+        return choice
+    return coerce(key, choice, type_name)
 
 
 def pruner_of(space: dict):

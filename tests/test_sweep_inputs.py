@@ -259,6 +259,36 @@ def test_each_parameter_is_the_optuna_distribution_its_key_s_type_asks_for(tmp_p
     }
 
 
+def test_a_sweep_over_datasets_stores_each_choice_as_written_and_flags_it_so(tmp_path):
+    """A sweep over data mixtures: each choice (a path, or a mixture 'PATH:WEIGHT,...') is the
+    string written, which Optuna's storage holds (its parsed sources would not be JSON) and the
+    trial's --dataset flag passes on for the trial to parse."""
+    import optuna
+
+    mixture = "data/a.jsonl:0.5,data/b.jsonl:0.5"
+    path = tmp_path / "space.yaml"
+    parameters = {"dataset": {"choices": [mixture, "data/a.jsonl"]}}
+    path.write_text(yaml.safe_dump({"objective": "eval_loss", "parameters": parameters}))
+    module = sweep_script()
+    found = module.distributions(module.read_space(path))
+    assert found == {
+        "dataset": optuna.distributions.CategoricalDistribution(parameters["dataset"]["choices"])
+    }
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}")
+    study.sampler = optuna.samplers.RandomSampler(seed=0)
+    drawn = {module.as_flag(study.ask(found).params["dataset"]) for _ in range(8)}
+    assert drawn == {mixture, "data/a.jsonl"}
+
+
+def test_a_dataset_choice_written_as_a_list_is_its_whole_line(tmp_path, capsys):
+    listed = [{"path": "data/a.jsonl", "weight": 1.0}, {"path": "data/b.jsonl", "weight": 1.0}]
+    space = {"objective": "eval_loss", "parameters": {"dataset": {"choices": [listed]}}}
+    assert refusal(tmp_path, capsys, space) == (
+        f"error: {tmp_path / 'space.yaml'}: parameters.dataset: each choice is one string: a path, "
+        f"a hub name or a mixture 'PATH:WEIGHT,...' (got {listed!r})"
+    )
+
+
 def test_a_trial_s_values_as_flags():
     module = sweep_script()
     assert [module.as_flag(v) for v in (True, False, 0.1, 1e-05, 3, "adamw")] == [
