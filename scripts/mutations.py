@@ -2613,6 +2613,16 @@ BREAKS = (
         'if isinstance(value, list) and (value or column == "prompt"):',
         ("tests/test_preference.py::test_a_bad_pair_is_one_line_naming_its_line",),
     ),
+    Break(
+        "fault56 sweep: a sweep over data mixtures is a TypeError traceback (the parsed mixture, a "
+        "tuple of sources, handed to Optuna's storage)",
+        "scripts/sweep.py",
+        'if key == "dataset":\n        return choice\n    return coerce(key, choice, type_name)',
+        "return coerce(key, choice, type_name)",
+        (
+            "tests/test_sweep_inputs.py::test_a_sweep_over_datasets_stores_each_choice_as_written_and_flags_it_so",
+        ),
+    ),
 )
 
 
