@@ -499,6 +499,55 @@ def test_without_lora_the_reference_is_the_model_as_loaded_not_the_policy_after_
     assert reference_is_the_base_s(reference, rows, base, model, cfg.temperature) > 1e-2
 
 
+def test_a_frozen_reference_is_copied_only_for_kl_without_lora_and_training_keeps_no_cache(
+    chat_llama,
+):
+    """The frozen reference costs a second model's memory: it is copied only with beta > 0 and no
+    --lora_r (LoRA's reference is the base, its adapters off), frozen and equal to the weights
+    loaded; at beta 0 there is none. Training's forward keeps no key/value cache (generate asks
+    for its own)."""
+    from transformers import AutoModelForCausalLM
+
+    rl_model = example("model")
+    for beta, lora_r in ((0.0, 0), (0.1, 4), (0.0, 4)):
+        cfg = Cfg(hf_model=str(chat_llama), beta=beta, lora_r=lora_r)
+        assert rl_model.build_model(cfg).rl.frozen is None, (beta, lora_r)
+    model = rl_model.build_model(Cfg(hf_model=str(chat_llama), beta=0.1))
+    loaded = dict(AutoModelForCausalLM.from_pretrained(chat_llama).named_parameters())
+    frozen = dict(model.rl.frozen.named_parameters())
+    assert frozen.keys() == loaded.keys()
+    for name, parameter in frozen.items():
+        assert not parameter.requires_grad
+        assert torch.equal(parameter, loaded[name]), name
+    ids = torch.tensor([[5, 9, 14, 3, 7]])
+    with torch.no_grad():
+        assert model(input_ids=ids).past_key_values is None
+
+
+def test_a_bf16_model_s_token_log_probs_are_taken_in_fp32():
+    """bf16 logits (a bf16 model's): each completion token's log-prob is log_softmax(logits /
+    temperature) in fp32, against float64's of the same logits (bf16's 8-bit mantissa would be off
+    by ~1e-2). Position t's logits predict token t + 1."""
+    rl_model = example("model")
+    generator = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(2, 7, 50, generator=generator)).to(torch.bfloat16)
+    input_ids = torch.randint(0, 50, (2, 7), generator=generator)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones(2, 7, dtype=torch.long),
+        "completion_mask": torch.ones(2, 3, dtype=torch.long),
+    }
+
+    def forward(**inputs):
+        return types.SimpleNamespace(logits=logits)
+
+    got = rl_model.token_logps(forward, batch, Cfg(temperature=0.7))
+    log_probs = torch.log_softmax(logits[:, 3:6].double() / 0.7, dim=-1)
+    expected = log_probs.gather(-1, input_ids[:, 4:, None]).squeeze(-1)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+
+
 def test_the_frozen_reference_moves_to_the_completions_device_at_its_first_use(chat_llama):
     """The frozen copy is built where the model is loaded (the CPU) and goes to the device the
     rollout's completions are on (an accelerator's; here "meta", which runs a forward's shapes
@@ -1612,6 +1661,11 @@ def test_the_check_of_each_split_s_prompts_is_said_on_its_progress_bar(
         (
             {"reward_weights": "exact_answer:inf"},
             "reward_weights: exact_answer's weight must be a finite number (got 'inf'), as in "
+            "exact_answer:1,same_words:0.25",
+        ),
+        (
+            {"reward_weights": "word_order:0.5:1"},
+            "reward_weights: word_order's weight must be a finite number (got '0.5:1'), as in "
             "exact_answer:1,same_words:0.25",
         ),
         (
