@@ -1928,36 +1928,43 @@ def test_a_micro_batch_s_advantages_are_float32_on_the_rows_device_by_hand():
     assert batch["advantages"].dtype == torch.float32
 
 
+def rank_group(rank: int) -> dict:
+    """Rank 0's completions: 3 tokens (ended), 2 tokens (not); rank 1's: one of 4 tokens, not
+    ended."""
+    if rank == 0:
+        return {
+            "completion": torch.tensor([[5, 6, 3], [5, 6, 0]]),
+            "mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+            "rewards": torch.tensor([1.0, 0.25], dtype=torch.float64),
+            "scores": {"exact_answer": torch.tensor([1.0, 0.0], dtype=torch.float64)},
+            "logps": torch.zeros(2, 3, dtype=torch.float64),
+            "ref_logps": torch.tensor([[0.5, 0.0, 0.0], [0.0, 0.0, 9.0]], dtype=torch.float64),
+        }
+    return {
+        "completion": torch.tensor([[5, 6, 7, 8]]),
+        "mask": torch.tensor([[1, 1, 1, 1]]),
+        "rewards": torch.tensor([0.5], dtype=torch.float64),
+        "scores": {"exact_answer": torch.tensor([0.5], dtype=torch.float64)},
+        "logps": torch.tensor([[0.25, 0.0, 0.0, 0.0]], dtype=torch.float64),
+        "ref_logps": torch.tensor([[-0.25, 0.0, 0.0, 0.0]], dtype=torch.float64),
+    }
+
+
+def rank_rl(previous_generation_s: float):
+    return types.SimpleNamespace(
+        weights={"exact_answer": 1.0}, ends=[3], previous=(10.0, previous_generation_s)
+    )
+
+
 def summed_on_two_ranks(rank: int, store_path: str, folder: str) -> None:
-    """One of two gloo processes: its own groups' step_totals, written as JSON."""
+    """One of two gloo processes: its own group's step_totals, written as JSON."""
     out = Path(folder) / f"rank{rank}.json"
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:
-        model = example("model")
-        rl = types.SimpleNamespace(
-            weights={"exact_answer": 1.0}, ends=[3], previous=(10.0, [1.0, 4.0][rank])
-        )
-        if rank == 0:  # two completions: 3 tokens (ended), 2 tokens (not)
-            group = {
-                "completion": torch.tensor([[5, 6, 3], [5, 6, 0]]),
-                "mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
-                "rewards": torch.tensor([1.0, 0.25], dtype=torch.float64),
-                "scores": {"exact_answer": torch.tensor([1.0, 0.0], dtype=torch.float64)},
-                "logps": torch.zeros(2, 3, dtype=torch.float64),
-                "ref_logps": torch.tensor([[0.5, 0.0, 0.0], [0.0, 0.0, 9.0]], dtype=torch.float64),
-            }
-        else:  # one completion of 4 tokens, not ended
-            group = {
-                "completion": torch.tensor([[5, 6, 7, 8]]),
-                "mask": torch.tensor([[1, 1, 1, 1]]),
-                "rewards": torch.tensor([0.5], dtype=torch.float64),
-                "scores": {"exact_answer": torch.tensor([0.5], dtype=torch.float64)},
-                "logps": torch.tensor([[0.25, 0.0, 0.0, 0.0]], dtype=torch.float64),
-                "ref_logps": torch.tensor([[-0.25, 0.0, 0.0, 0.0]], dtype=torch.float64),
-            }
-        totals = model.step_totals([group], rl, torch.nn.Linear(1, 1))
+        rl = rank_rl([1.0, 4.0][rank])
+        totals = example("model").step_totals([rank_group(rank)], rl, torch.nn.Linear(1, 1))
         Path(out).write_text(json.dumps(totals))
     finally:
         dist.destroy_process_group()
@@ -1966,12 +1973,9 @@ def summed_on_two_ranks(rank: int, store_path: str, folder: str) -> None:
 def test_the_step_s_totals_are_summed_over_two_processes_by_hand(tmp_path):
     """A real gloo group of 2 on CPU, each rank its own completions: every sum is both ranks'
     (3 completions, rewards 1 + 0.25 + 0.5, 3 + 2 + 4 tokens, 2 not ended, KL over 5 + 4 tokens of
-    e^0.5 - 1.5 and e^-0.5 - 0.5: -0.25 - 0.25), the longest is the max (4, rank 1's), the last generation's
-    seconds the ranks' mean (1 and 4: 2.5), and the same on both ranks."""
-    # fresh interpreters (spawn): a fork of this process would inherit torch's thread pools
-    store = tmp_path / "store"
-    outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
-    torch.multiprocessing.spawn(summed_on_two_ranks, args=(str(store), str(tmp_path)), nprocs=2)
+    e^0.5 - 1.5 and e^-0.5 - 0.5: -0.25 - 0.25), the longest is the max (4, rank 1's), the last
+    generation's seconds the ranks' mean (1 and 4: 2.5), and the same on both ranks: the totals
+    one process gives over both ranks' completions."""
     kl = (math.exp(0.5) - 0.5 - 1) + (math.exp(-0.5) + 0.5 - 1)
     expected = {
         "count": 3.0,
@@ -1985,13 +1989,22 @@ def test_the_step_s_totals_are_summed_over_two_processes_by_hand(tmp_path):
         "scores": {"exact_answer": 1.5},
         "longest": 4.0,
     }
-    for out in outs:
-        totals = json.loads(out.read_text())
+
+    def check(totals: dict) -> None:
         assert list(totals) == list(expected)
         assert totals.pop("scores") == pytest.approx(expected["scores"], rel=1e-12)
         assert totals == pytest.approx(
             {key: value for key, value in expected.items() if key != "scores"}, rel=1e-12
         )
+
+    # one process, no process group, both ranks' completions
+    model = example("model")
+    check(model.step_totals([rank_group(0), rank_group(1)], rank_rl(2.5), torch.nn.Linear(1, 1)))
+    # fresh interpreters (spawn): a fork of this process would inherit torch's thread pools
+    store = tmp_path / "store"
+    torch.multiprocessing.spawn(summed_on_two_ranks, args=(str(store), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        check(json.loads((tmp_path / f"rank{rank}.json").read_text()))
 
 
 @pytest.mark.parametrize("beta", [0.0, -0.1])
