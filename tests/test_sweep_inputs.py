@@ -154,6 +154,7 @@ def test_a_bad_choice_is_its_whole_line(tmp_path, capsys, spec, said):
             " must be {low: .., high: ..} (with log or step) or {choices: [..]}",
         ),
         ({"low": 9, "high": 1}, ": the range is empty (low 9 must be < high 1)"),
+        ({"low": "few", "high": 9}, ": warmup_steps must be an int (got 'few')"),
         ({"low": -1, "high": 9, "log": True}, ": a log range needs low > 0 (got -1)"),
     ],
 )
@@ -216,6 +217,38 @@ def test_a_bad_space_file_is_its_whole_line(tmp_path, capsys, space, said):
     argv = ["--sweep_dir", str(tmp_path / "sweep"), "--space", str(path), *LAUNCH]
     assert sweep_script().main(argv) == 2
     assert capsys.readouterr().err == f"error: {said.format(path=path)}\n"
+
+
+def test_a_space_file_that_is_not_yaml_is_one_line_with_yaml_s_first_line(tmp_path, capsys):
+    path = tmp_path / "space.yaml"
+    path.write_text("objective: [eval_loss\nparameters: {}\n")
+    with pytest.raises(yaml.YAMLError) as raised:
+        yaml.safe_load(path.read_text())
+    first = str(raised.value).splitlines()[0]
+    argv = ["--sweep_dir", str(tmp_path / "sweep"), "--space", str(path), *LAUNCH]
+    assert sweep_script().main(argv) == 2
+    assert capsys.readouterr().err == f"error: --space: {path} is not valid YAML ({first})\n"
+
+
+def test_a_fork_s_config_keys_declared_wrongly_are_the_sweep_s_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    """run_config's refusal of a fork's model.py or data.py keys (ConfigError) is the sweep's one
+    line too, word for word."""
+    from errors import ConfigError
+
+    said = "train/model.py's ModelConfig: key 'lr' is already TrainConfig's: name it otherwise"
+
+    def refused():
+        raise ConfigError(said)
+
+    module = sweep_script()
+    monkeypatch.setattr(module, "config_class", refused)
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    argv = ["--sweep_dir", str(tmp_path / "sweep"), "--space", str(path), *LAUNCH]
+    assert module.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {said}\n"
 
 
 def test_a_space_s_defaults_are_minimize_tpe_seed_0_and_no_pruner(tmp_path):
