@@ -31,6 +31,14 @@ TORCH_DDP = REPO / "train" / "torch_ddp.py"
 FAULTY_MAIN = REPO / "tests" / "helpers" / "faulty_main.py"
 CPU_CONFIG = REPO / "accelerate_configs" / "cpu.yaml"
 TINY = REPO / "train" / "configs" / "tiny.yaml"
+# a chat template that ends the last assistant turn only where no generation prompt is asked for,
+# by `add_generation_prompt == false`, as some in use do (None is not false to it)
+END_OF_TURN_ONLY_WITHOUT_A_PROMPT = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+    "{%- if m['role'] != 'assistant' or not loop.last or add_generation_prompt == false %}"
+    "{{ '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import chat
+from conftest import END_OF_TURN_ONLY_WITHOUT_A_PROMPT
 from errors import ConfigError
 
 
@@ -447,12 +448,7 @@ def test_each_reply_s_end_of_turn_is_learned_where_the_template_writes_it_withou
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
-    tokenizer.chat_template = (
-        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-        "{%- if m['role'] != 'assistant' or not loop.last or add_generation_prompt == false %}"
-        "{{ '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-    )
+    tokenizer.chat_template = END_OF_TURN_ONLY_WITHOUT_A_PROMPT
     messages = [
         {"role": "user", "content": "sort: b a"},
         {"role": "assistant", "content": "a b"},

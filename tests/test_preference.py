@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, example_file
+from conftest import END_OF_TURN_ONLY_WITHOUT_A_PROMPT, REPO, example_file
 from errors import ConfigError
 
 PREFERENCE = REPO / "examples" / "preference"
@@ -829,12 +829,7 @@ def test_a_completion_s_end_of_turn_is_the_one_the_template_writes_without_a_gen
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_tokenizer)
-    tokenizer.chat_template = (
-        "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-        "{%- if m['role'] != 'assistant' or not loop.last or add_generation_prompt == false %}"
-        "{{ '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-    )
+    tokenizer.chat_template = END_OF_TURN_ONLY_WITHOUT_A_PROMPT
     data = example("data")
     pair = {"prompt": "upper: b", "chosen": "B", "rejected": "b"}
     encoded = data.encode_pair(data.pair_row(pair, "pair 1"), tokenizer, 128)
