@@ -263,8 +263,7 @@ class Sweep:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.dir = Path(args.sweep_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = Path(args.sweep_dir)  # made by take_driver_lock; --summary makes nothing
         self.name = args.study_name or self.dir.resolve().name
         self.poll_s = args.poll_s
         # the driver's own command, which carries the sweep on when started again
@@ -315,7 +314,9 @@ class Sweep:
             trial = optuna.trial.Trial(self.study, frozen._trial_id)
             if self.run_trial(trial, frozen.params, resume=True) == "stopped":
                 return self.stopped()
-        while len(self.study.get_trials(deepcopy=False)) < trials and self.stop_signal is None:
+        while len(self.study.get_trials(deepcopy=False)) < trials:
+            if self.stop_signal is not None:  # between two trials: the sweep is not over
+                return self.stopped(running=False)
             trial = self.study.ask(distributions(self.space))
             trial.set_user_attr("driver", self.driver)
             trial.set_user_attr("run_dir", str(self.dir / f"trial_{trial.number:03d}"))
@@ -433,10 +434,9 @@ class Sweep:
         say(f"trial {trial.number}: failed (exit {code}): {error} (its output: {log_path})")
         return "failed"
 
-    def stopped(self) -> int:
-        say(
-            f"stopped on {self.stop_signal}: the running trial checkpointed; go on with: {self.again}"
-        )
+    def stopped(self, running: bool = True) -> int:
+        where = "the running trial checkpointed" if running else "before its next trial"
+        say(f"stopped on {self.stop_signal}: {where}; go on with: {self.again}")
         return INTERRUPTED_EXIT_CODE if self.stop_signal == "SIGINT" else PREEMPTED_EXIT_CODE
 
     def _stop(self, signum, _frame) -> None:
@@ -655,10 +655,12 @@ def say(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # --help: the docstring's first paragraph, the options, then the rest of it, its lines as written
+    summary, _, details = __doc__.partition("\n\n")
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
+        description=summary,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
+        epilog=details,
     )
     parser.add_argument(
         "--sweep_dir", required=True, help="the sweep's folder: study.db, trial_NNN/, logs/"
@@ -667,7 +669,10 @@ def main(argv: list[str] | None = None) -> int:
         "--space", default="", help="the space's YAML file (the first start; kept in sweep.yaml)"
     )
     parser.add_argument(
-        "--trials", type=int, default=20, help="trials in the study, all states counted"
+        "--trials",
+        type=int,
+        default=20,
+        help="trials in the study, all states counted (default: %(default)s)",
     )
     parser.add_argument(
         "--storage", default="", help="a database URL for the study (default: sqlite in sweep_dir)"
@@ -677,7 +682,10 @@ def main(argv: list[str] | None = None) -> int:
         "--summary", action="store_true", help="print the table and write the plot, run nothing"
     )
     parser.add_argument(
-        "--poll_s", type=float, default=1.0, help="how often the trial's metrics.jsonl is read"
+        "--poll_s",
+        type=float,
+        default=1.0,
+        help="seconds between reads of the trial's metrics.jsonl (default: %(default)s)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the launch command")
     args = parser.parse_args(argv)

@@ -178,12 +178,15 @@ def test_sigterm_stops_the_driver_with_its_trial_which_the_next_start_resumes(
     argv = driver_argv(sweep_dir, space, trials=2)
     first = sweep_dir / "trial_000"
     own_signals(rows_logged(first, 3), sigterm_to_the_driver)  # once it has trained a few steps
-    assert sweep_script().main(argv) == 75
+    # started as `python scripts/sweep.py ...` starts it: main() reads the command line
+    script = str(REPO / "scripts" / "sweep.py")
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    assert sweep_script().main() == 75
     said = capsys.readouterr().out
     assert "stopped on SIGTERM: the running trial checkpointed; go on with: python " in said
     # the command it prints, pasted, carries the sweep on: the driver's own
     go_on = shlex.split(said.split("go on with: ")[1].splitlines()[0])
-    assert go_on[2:] == argv
+    assert go_on == ["python", script, *argv]
     assert [t.state.name for t in trials_of(sweep_dir)] == ["RUNNING"]
     assert (first / "preempted.json").exists()  # the trial got it, and checkpointed
     # started again, and stopped again once the resumed launch has logged 3 rows of its own: the
@@ -252,6 +255,47 @@ def test_a_random_sweep_draws_what_optunas_sampler_draws_seeded_by_the_trials_he
     assert sweep_script().main(driver_argv(sweep_dir, path, trials=2)) == 0
     trials = trials_of(sweep_dir)
     assert [t.params for t in trials] == [first_draws(7, space), first_draws(8, space)]
+
+
+@pytest.mark.parametrize(
+    "sampler, kind, other",
+    [
+        ("tpe", optuna.samplers.TPESampler, optuna.samplers.RandomSampler),
+        ("random", optuna.samplers.RandomSampler, optuna.samplers.TPESampler),
+    ],
+)
+def test_each_sampler_draws_what_optunas_draws_once_the_study_has_ten_trials(
+    tmp_path, own_signals, sampler, kind, other
+):
+    """TPE draws its first 10 trials as a RandomSampler would; from the 11th, its model's. A study
+    holding 10 finished trials (added directly), seed 3: the driver's trial 10 is Optuna's own
+    sampler's (seeded 3 + 10) draw after the same 10, which the other sampler's is not."""
+    ranges = {"lr": optuna.distributions.FloatDistribution(1e-3, 1e-2)}
+    lrs = [1e-3 + 9e-4 * n for n in range(10)]
+    history = [
+        optuna.trial.create_trial(params={"lr": lr}, distributions=ranges, value=lr * 100)
+        for lr in lrs
+    ]
+
+    def draw_after_history(sampler_class) -> dict:
+        study = optuna.create_study(sampler=sampler_class(seed=13))
+        study.add_trials(history)
+        return study.ask(ranges).params
+
+    expected = draw_after_history(kind)
+    assert expected != draw_after_history(other)
+    sweep_dir = tmp_path / "held"
+    sweep_dir.mkdir()
+    storage = f"sqlite:///{sweep_dir / 'study.db'}"
+    optuna.create_study(study_name="held", storage=storage).add_trials(history)
+    space = write_space(
+        tmp_path / "space.yaml",
+        parameters={"lr": {"low": 1e-3, "high": 1e-2}},
+        sampler=sampler,
+        seed=3,
+    )
+    assert sweep_script().main(driver_argv(sweep_dir, space, trials=11)) == 0
+    assert trials_of(sweep_dir)[10].params == expected
 
 
 def test_a_maximize_sweep_takes_each_trial_s_last_eval_and_calls_the_highest_best(
@@ -485,7 +529,7 @@ def test_the_summary_table_and_csv_by_hand(tmp_path, capsys, own_signals):
         parameters={"lr": {"low": 1e-3, "high": 1e-2}},
         sampler="random",
     )
-    sweep_dir = tmp_path / "summary"
+    sweep_dir = tmp_path / "runs" / "summary"  # as docs/sweeps.md's runs/sweep_lr, on a fresh clone
     assert sweep_script().main(driver_argv(sweep_dir, space, trials=2)) == 0
     capsys.readouterr()
     lrs = [t.params["lr"] for t in trials_of(sweep_dir)]
@@ -730,3 +774,65 @@ def test_the_best_trial_is_said_with_each_of_its_values(tmp_path, capsys):
         "folder",
     ]
     assert "sweep: best: trial 1, eval_loss 1.5 (lr 0.002, warmup_steps 7): runs/0.002" in out
+
+
+# a launch that ends its run (exit 0, one eval row) whatever the driver sends it, and the first time
+# it runs, stops its driver as a scheduler would while it ends
+SIGNALS_ITS_DRIVER_ONCE = [
+    sys.executable,
+    "-c",
+    "import json, os, pathlib, signal, sys\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "run = pathlib.Path(sys.argv[sys.argv.index('--output_dir') + 1])\n"
+    "run.mkdir(parents=True, exist_ok=True)\n"
+    "(run / 'metrics.jsonl').write_text(json.dumps({'step': 4, 'eval_loss': 0.5}) + '\\n')\n"
+    "marker = pathlib.Path(os.environ['FAKE_SIGNALLED'])\n"
+    "if not marker.exists():\n"
+    "    marker.touch()\n"
+    "    os.kill(os.getppid(), signal.SIGTERM)\n",
+]
+
+
+def test_a_driver_stopped_as_its_trial_ends_exits_75_before_the_next_and_the_next_start_runs_it(
+    tmp_path, capsys, own_signals, monkeypatch
+):
+    """SIGTERM reaches the driver as its first of two trials ends (the trial completes anyway): the
+    sweep is not over, so the driver starts no other trial and exits 75, as a preempted job must
+    for its scheduler to requeue it (exit 0 says done); started again, it runs the second."""
+    monkeypatch.setenv("FAKE_SIGNALLED", str(tmp_path / "signalled"))
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "between"
+    argv = [
+        *("--sweep_dir", str(sweep_dir), "--space", space, "--trials", "2", "--poll_s", "0.02"),
+        *("--", *SIGNALS_ITS_DRIVER_ONCE),
+    ]
+    assert sweep_script().main(argv) == 75
+    out = capsys.readouterr().out
+    assert "sweep: trial 0: eval_loss 0.5\n" in out
+    assert "sweep: stopped on SIGTERM: before its next trial; go on with: python " in out
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE"]
+    assert not (sweep_dir / "trial_001").exists()
+    assert sweep_script().main(argv) == 0
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE", "COMPLETE"]
+
+
+def test_a_driver_stopped_before_its_first_trial_launches_none_and_exits_75(
+    tmp_path, capsys, own_signals
+):
+    """The signal handler called as the kernel calls it, before any trial runs: nothing to pass
+    the signal on to."""
+    import argparse
+
+    module = sweep_script()
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "early"
+    args = argparse.Namespace(
+        sweep_dir=str(sweep_dir), space=space, command=["--", *FAKE], storage="", study_name=""
+    )
+    args.poll_s, args.argv = 0.02, []
+    module.take_driver_lock(sweep_dir).close()
+    sweep = module.Sweep(args)
+    sweep._stop(signal.SIGTERM, None)
+    assert sweep.run(1) == 75
+    assert "sweep: stopped on SIGTERM: before its next trial" in capsys.readouterr().out
+    assert trials_of(sweep_dir) == [] and not (sweep_dir / "trial_000").exists()

@@ -103,6 +103,18 @@ def test_a_restart_keeps_the_space_and_the_command_it_was_started_with(tmp_path,
     assert module.settled(folder, module_args("", LAUNCH)) == (recorded["space"], LAUNCH[1:])
 
 
+def test_the_summary_of_a_sweep_folder_that_is_not_there_is_one_line_and_makes_nothing(
+    tmp_path, capsys
+):
+    """--summary of a mistyped folder (its parent missing too): the one line, and no folder left."""
+    typo = tmp_path / "runs" / "sweep_lrr"
+    code = sweep_script().main(["--sweep_dir", str(typo), "--summary"])
+    assert code == 2 and capsys.readouterr().err == (
+        f"error: {typo} holds no sweep yet: give --space FILE and the launch command after --\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 def module_args(space, command):
     import argparse
 
@@ -332,6 +344,63 @@ def test_a_trial_s_values_as_flags():
         "3",
         "adamw",
     ]
+
+
+def test_help_is_the_docstring_whole_around_each_flag_with_its_default(capsys, monkeypatch):
+    """--help: the docstring's first paragraph, the flags, then the rest of the docstring, each
+    line as written (the example commands and the space's YAML intact), each once."""
+    monkeypatch.setenv("COLUMNS", "200")
+    module = sweep_script()
+    with pytest.raises(SystemExit) as exited:
+        module.main(["--help"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out.splitlines()
+    written = [line for line in module.__doc__.splitlines() if line.strip()]
+    assert [shown.count(line) for line in written] == [1] * len(written)
+    at = [shown.index(line) for line in written]
+    assert at == sorted(at)
+    options = " ".join(" ".join(shown[at[1] + 1 : at[2]]).split())  # between the two paragraphs
+    for flag in [
+        "--sweep_dir SWEEP_DIR the sweep's folder: study.db, trial_NNN/, logs/",
+        "--space SPACE the space's YAML file (the first start; kept in sweep.yaml)",
+        "--trials TRIALS trials in the study, all states counted (default: 20)",
+        "--storage STORAGE a database URL for the study (default: sqlite in sweep_dir)",
+        "--study_name STUDY_NAME default: the sweep folder's name",
+        "--summary print the table and write the plot, run nothing",
+        "--poll_s POLL_S seconds between reads of the trial's metrics.jsonl (default: 1.0)",
+        "command -- the launch command",
+    ]:
+        assert flag in options, (flag, options)
+
+
+def test_a_driver_given_only_its_folder_runs_20_trials_reading_metrics_each_second(
+    tmp_path, monkeypatch
+):
+    """The defaults --help states, as the driver gets them (its runs are test_sweep_driver.py's)."""
+    module = sweep_script()
+    given = {}
+
+    class Driver:
+        def __init__(self, args):
+            given.update(vars(args))
+
+        def run(self, trials: int) -> int:
+            given["run"] = trials
+            return 0
+
+    monkeypatch.setattr(module, "Sweep", Driver)
+    assert module.main(["--sweep_dir", str(tmp_path / "sweep")]) == 0
+    assert (given["run"], given["trials"], given["poll_s"]) == (20, 20, 1.0)
+    assert (given["space"], given["storage"], given["study_name"]) == ("", "", "")
+    assert given["summary"] is False and given["command"] == []
+
+
+def test_a_driver_needs_its_folder(capsys):
+    with pytest.raises(SystemExit) as exited:
+        sweep_script().main(["--trials", "2"])
+    assert exited.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # "<the script's name>: error: ..."
+    assert last.endswith(": error: the following arguments are required: --sweep_dir")
 
 
 def test_fewer_than_one_trial_is_refused(tmp_path, capsys):
