@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -836,3 +837,29 @@ def test_a_driver_stopped_before_its_first_trial_launches_none_and_exits_75(
     assert sweep.run(1) == 75
     assert "sweep: stopped on SIGTERM: before its next trial" in capsys.readouterr().out
     assert trials_of(sweep_dir) == [] and not (sweep_dir / "trial_000").exists()
+
+
+def test_what_the_driver_said_before_a_kill_9_is_in_its_log(tmp_path):
+    """The driver's output a file (nohup, a scheduler's log), no PYTHONUNBUFFERED, and its process
+    group SIGKILLed during its second trial: the line that told the first trial's value is in the
+    log (each line is written out as said: a kill leaves no buffer to write)."""
+    space = write_space(tmp_path / "space.yaml", parameters={"lr": {"low": 1e-3, "high": 1e-2}})
+    sweep_dir = tmp_path / "killed"
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    log = tmp_path / "driver.log"
+    with open(log, "w") as output:
+        driver = subprocess.Popen(
+            [sys.executable, str(REPO / "scripts" / "sweep.py"), *driver_argv(sweep_dir, space, 2)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    second = sweep_dir / "trial_001" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not second.exists() and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(driver.pid, signal.SIGKILL)
+    driver.wait()
+    first = trials_of(sweep_dir)[0]
+    assert f"sweep: trial 0: eval_loss {first.value:.4g}\n" in log.read_text()
