@@ -93,11 +93,14 @@ def test_a_restart_keeps_the_space_and_the_command_it_was_started_with(tmp_path,
         f"error: the launch command differs from the one {folder} was started with ({record}): "
         "use another --sweep_dir"
     )
+    # a first start needs both: the space and the command
     empty = tmp_path / "empty"
-    code = module.main(["--sweep_dir", str(empty), "--trials", "1"])
-    assert code == 2 and capsys.readouterr().err == (
-        f"error: {empty} holds no sweep yet: give --space FILE and the launch command after --\n"
-    )
+    for given_now in [[], ["--space", str(given)], LAUNCH]:
+        code = module.main(["--sweep_dir", str(empty), "--trials", "1", *given_now])
+        assert code == 2 and capsys.readouterr().err == (
+            f"error: {empty} holds no sweep yet: give --space FILE and the launch command after --\n"
+        )
+        assert not (empty / module.SWEEP_FILE).exists()
     # the space given without the command (or the command without the space): the recorded ones
     assert module.settled(folder, module_args(given, [])) == (recorded["space"], LAUNCH[1:])
     assert module.settled(folder, module_args("", LAUNCH)) == (recorded["space"], LAUNCH[1:])
