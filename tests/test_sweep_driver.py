@@ -677,6 +677,9 @@ def test_ctrl_c_stops_the_driver_with_exit_130_and_sends_the_trial_nothing(
     assert sweep_script().main(argv) == 130
     out = capsys.readouterr().out
     assert "sweep: stopped on SIGINT: the running trial checkpointed; go on with: python " in out
+    # the flags main() was given (not this process's command line): the same driver again (the
+    # stand-in's code spans lines: shlex quotes it whole, to the end of what the driver said)
+    assert shlex.split(out.split("go on with: ")[1])[2:] == argv
     assert not (first / "preempted.json").exists()
     assert [t.state.name for t in trials_of(sweep_dir)] == ["RUNNING"]
 
