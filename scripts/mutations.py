@@ -2623,6 +2623,27 @@ BREAKS = (
             "tests/test_sweep_inputs.py::test_a_sweep_over_datasets_stores_each_choice_as_written_and_flags_it_so",
         ),
     ),
+    Break(
+        "fault57 sweep: a driver stopped between two trials prints the summary and exits 0 (a "
+        "scheduler requeues a 75: the sweep stays short of its trials)",
+        "scripts/sweep.py",
+        "while len(self.study.get_trials(deepcopy=False)) < trials:\n"
+        "            if self.stop_signal is not None:  # between two trials: the sweep is not over\n"
+        "                return self.stopped(running=False)",
+        "while len(self.study.get_trials(deepcopy=False)) < trials and self.stop_signal is None:",
+        (
+            "tests/test_sweep_driver.py::test_a_driver_stopped_as_its_trial_ends_exits_75_before_the_next_and_the_next_start_runs_it",
+            "tests/test_sweep_driver.py::test_a_driver_stopped_before_its_first_trial_launches_none_and_exits_75",
+        ),
+    ),
+    Break(
+        "fault58 sweep: the driver's lines are not flushed: killed with its process group while its "
+        "output is a file, it loses what it said (the tests' PYTHONUNBUFFERED hid it)",
+        "scripts/sweep.py",
+        'print(f"sweep: {line}", flush=True)',
+        'print(f"sweep: {line}")',
+        ("tests/test_sweep_driver.py::test_what_the_driver_said_before_a_kill_9_is_in_its_log",),
+    ),
 )
 
 
