@@ -2633,7 +2633,7 @@ BREAKS = (
         "while len(self.study.get_trials(deepcopy=False)) < trials and self.stop_signal is None:",
         (
             "tests/test_sweep_driver.py::test_a_driver_stopped_as_its_trial_ends_exits_75_before_the_next_and_the_next_start_runs_it",
-            "tests/test_sweep_driver.py::test_a_driver_stopped_before_its_first_trial_launches_none_and_exits_75",
+            "tests/test_sweep_driver.py::test_a_driver_stopped_while_no_trial_runs_launches_none_and_exits_75",
         ),
     ),
     Break(

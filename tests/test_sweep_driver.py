@@ -820,11 +820,11 @@ def test_a_driver_stopped_as_its_trial_ends_exits_75_before_the_next_and_the_nex
     assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE", "COMPLETE"]
 
 
-def test_a_driver_stopped_before_its_first_trial_launches_none_and_exits_75(
+def test_a_driver_stopped_while_no_trial_runs_launches_none_and_exits_75(
     tmp_path, capsys, own_signals
 ):
-    """The signal handler called as the kernel calls it, before any trial runs: nothing to pass
-    the signal on to."""
+    """The signal handler called as the kernel calls it while no trial runs (nothing to pass the
+    signal on to): before the first trial, and after one has ended."""
     import argparse
 
     module = sweep_script()
@@ -835,11 +835,18 @@ def test_a_driver_stopped_before_its_first_trial_launches_none_and_exits_75(
     )
     args.poll_s, args.argv = 0.02, []
     module.take_driver_lock(sweep_dir).close()
-    sweep = module.Sweep(args)
-    sweep._stop(signal.SIGTERM, None)
-    assert sweep.run(1) == 75
+    before_any = module.Sweep(args)
+    before_any._stop(signal.SIGTERM, None)
+    assert before_any.run(1) == 75
     assert "sweep: stopped on SIGTERM: before its next trial" in capsys.readouterr().out
     assert trials_of(sweep_dir) == [] and not (sweep_dir / "trial_000").exists()
+    after_one = module.Sweep(args)
+    assert after_one.run(1) == 0
+    after_one._stop(signal.SIGTERM, None)
+    assert after_one.run(2) == 75
+    assert "sweep: stopped on SIGTERM: before its next trial" in capsys.readouterr().out
+    assert [t.state.name for t in trials_of(sweep_dir)] == ["COMPLETE"]
+    assert not (sweep_dir / "trial_001").exists()
 
 
 def test_what_the_driver_said_before_a_kill_9_is_in_its_log(tmp_path):
